@@ -1,0 +1,74 @@
+"""Validation of static and numeric hyperparameters, with messages that name the argument.
+
+Numeric hyperparameters are only checked when they are concrete Python or NumPy
+numbers: traced values (for example under `optax.inject_hyperparams`) and schedules
+pass through unchanged so that they can still be traced.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete_number(x: Any) -> bool:
+  """Whether `x` is a plain (non-traced, non-callable) real number."""
+  if isinstance(x, bool):
+    return False
+  if isinstance(x, numbers.Real):
+    return True
+  return isinstance(x, np.ndarray) and x.ndim == 0 and np.issubdtype(x.dtype, np.floating)
+
+
+def check_beta(name: str, value: Any) -> None:
+  """Raises if a concrete decay rate lies outside [0, 1)."""
+  if is_concrete_number(value) and not 0.0 <= float(value) < 1.0:
+    raise ValueError(f'`{name}` must be in [0, 1), got {value!r}.')
+
+
+def check_non_negative(name: str, value: Any) -> None:
+  """Raises if a concrete number is negative (or NaN)."""
+  if is_concrete_number(value) and not float(value) >= 0.0:
+    raise ValueError(f'`{name}` must be >= 0, got {value!r}.')
+
+
+def check_positive_int(name: str, value: Any) -> int:
+  """Returns `value` if it is a positive Python int; raises otherwise."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(
+        f'`{name}` must be a positive Python int (it is static, not a traced or '
+        f'float value), got {value!r} of type {type(value).__name__}.')
+  if value < 1:
+    raise ValueError(f'`{name}` must be a positive int (>= 1), got {value!r}.')
+  return int(value)
+
+
+def check_axis(value: Any) -> int:
+  """Returns `value` if it is a Python int usable as an axis; raises otherwise."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f'`axis` must be a Python int (negative allowed), got {value!r}.')
+  return int(value)
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+  """Returns `value` if it is one of `allowed`; raises otherwise."""
+  if value not in allowed:
+    raise ValueError(f'`{name}` must be one of {allowed}, got {value!r}.')
+  return value
+
+
+def check_float_leaf(path: str, dtype: Any, where: str) -> None:
+  """Raises a clear error for parameter leaves that the rules do not support."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    raise TypeError(
+        f'{where}: parameter {path} has complex dtype {dtype}; only real floating '
+        'parameters are supported (split complex parameters into real and imaginary '
+        'parts, or exclude them with a mask).')
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f'{where}: parameter {path} has non-floating dtype {dtype}; mask integer '
+        'or boolean leaves out (e.g. `optax.masked` or the `mask` argument).')

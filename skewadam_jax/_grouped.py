@@ -1,0 +1,210 @@
+"""AdamPM: Adam with a second moment pooled over groups of neighbouring elements.
+
+The second moment of each leaf is shared by runs of `group_size` consecutive elements
+along one axis. Pooling happens *before* the moving average, so only the pooled
+estimate (`ceil(n / group_size)` entries along the axis) is ever stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from skewadam_jax import _checks
+from skewadam_jax import _tree
+
+
+def num_groups(n: int, group_size: int) -> int:
+  """Number of groups along an axis of length `n`: ceil(n / group_size)."""
+  return -(-n // group_size)
+
+
+def resolve_axis(ndim: int, axis: int, path: str = 'leaf') -> Optional[int]:
+  """The non-negative grouping axis of a leaf, or None for 0-d leaves.
+
+  1-D leaves (norm scales, biases) are always grouped along their only axis; for
+  leaves with two or more dimensions `axis` must be in range.
+  """
+  if ndim == 0:
+    return None
+  if ndim == 1:
+    return 0
+  if not -ndim <= axis < ndim:
+    raise ValueError(
+        f'`axis`={axis} is out of range for parameter {path} with {ndim} dimensions; '
+        f'allowed values are {-ndim}..{ndim - 1}.')
+  return axis % ndim
+
+
+def grouped_shape(shape: tuple[int, ...], group_size: int, axis: Optional[int]
+                  ) -> tuple[int, ...]:
+  """Shape of the pooled statistic of a leaf of `shape`."""
+  if axis is None:
+    return tuple(shape)
+  shape = list(shape)
+  shape[axis] = num_groups(shape[axis], group_size)
+  return tuple(shape)
+
+
+def groupmean(x: jax.Array, group_size: int, axis: Optional[int]) -> jax.Array:
+  """Mean over consecutive runs of `group_size` elements along `axis`.
+
+  A short last group is averaged over its real elements only, which equals padding
+  it with its own mean.
+
+  Args:
+    x: array to pool.
+    group_size: elements per group (static).
+    axis: non-negative axis to pool along, or None for no pooling (0-d leaves).
+
+  Returns:
+    An array with `axis` shortened to ceil(n / group_size).
+  """
+  if axis is None or group_size == 1:
+    return x
+  n = x.shape[axis]
+  full = (n // group_size) * group_size
+  pieces = []
+  if full:
+    main = jax.lax.slice_in_dim(x, 0, full, axis=axis) if full < n else x
+    split = x.shape[:axis] + (full // group_size, group_size) + x.shape[axis + 1:]
+    pieces.append(jnp.mean(main.reshape(split), axis=axis + 1))
+  if full < n:
+    tail = jax.lax.slice_in_dim(x, full, n, axis=axis)
+    pieces.append(jnp.mean(tail, axis=axis, keepdims=True))
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
+
+
+def expand_groups(nu: jax.Array, group_size: int, axis: Optional[int], n: int
+                  ) -> jax.Array:
+  """Repeats each group value `group_size` times along `axis` and crops to `n`."""
+  if axis is None or group_size == 1:
+    return nu
+  # A gather with iota indices fuses into the consumer's loop in XLA, unlike
+  # repeat + slice, so the full-size expanded array is never materialised.
+  index = jnp.arange(n, dtype=jnp.int32) // group_size
+  return jnp.take(nu, index, axis=axis, mode='clip')
+
+
+class GroupedSecondMomentState(NamedTuple):
+  """State of `scale_by_grouped_second_moment`."""
+  count: jax.Array  # shape=(), int32: number of updates applied so far.
+  mu: optax.Updates  # like params, dtype mu_dtype (params' dtype by default).
+  nu: optax.Updates  # like params with `axis` shortened to ceil(n / group_size).
+
+
+def scale_by_grouped_second_moment(
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    eps: Any = 1e-8,
+    *,
+    group_size: int = 8,
+    axis: int = -1,
+    mu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[Any] = None,
+) -> optax.GradientTransformation:
+  r"""Rescales updates by Adam with a second moment pooled over groups (AdamPM).
+
+  With `groupmean_s` the mean over runs of `s` neighbouring elements along `axis`
+  and `expand_s` its inverse (repeat each group value `s` times, crop)::
+
+    m  <- b1 * m + (1 - b1) * g
+    nu <- b2 * nu + (1 - b2) * groupmean_s(g^2)
+    u  =  (m / (1 - b1^t)) / (sqrt(expand_s(nu / (1 - b2^t))) + eps)
+
+  Pooling and the moving average are both linear, so `nu` equals
+  `groupmean_s` of Adam's second moment exactly; with `group_size=1` this is Adam.
+  0-d leaves keep an exact second moment; 1-D leaves are pooled along their only axis.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the pooled second moment.
+    eps: term added to the denominator, as in Adam.
+    group_size: elements per group (static positive int).
+    axis: axis along which neighbours are pooled (static; negative allowed). The
+      default pools along rows (the last axis).
+    mu_dtype: dtype the first moment is stored in; default the parameters' dtype.
+    nu_dtype: dtype the pooled second moment is stored in; default the parameters'.
+
+  Returns:
+    An `optax.GradientTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, skewadam_jax as sj
+    >>> tx = optax.chain(sj.scale_by_grouped_second_moment(group_size=8),
+    ...                  optax.scale(-1e-3))
+    >>> state = tx.init({'w': jnp.zeros((4, 16))})
+
+  References:
+    AdamPM: Adam with a pooled second moment (Beihang University preprint).
+    Kingma & Ba, Adam: A Method for Stochastic Optimization, 2015.
+  """
+  _checks.check_beta('b1', b1)
+  _checks.check_beta('b2', b2)
+  _checks.check_non_negative('eps', eps)
+  group_size = _checks.check_positive_int('group_size', group_size)
+  axis = _checks.check_axis(axis)
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+
+  def leaf_axis(path: str, p: Any) -> Optional[int]:
+    return resolve_axis(len(p.shape), axis, path)
+
+  def init_fn(params):
+    leaves, treedef = _tree.flatten_with_paths(params)
+    mus, nus = [], []
+    for path, p in leaves:
+      _checks.check_float_leaf(path, p.dtype, 'scale_by_grouped_second_moment')
+      ax = leaf_axis(path, p)
+      mus.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
+      # Built from the parameter, so that the statistic inherits its sharding.
+      zeros = jnp.zeros_like(p, dtype=nu_dtype or p.dtype)
+      nus.append(groupmean(zeros, group_size, ax))
+    return GroupedSecondMomentState(
+        count=jnp.zeros([], jnp.int32),
+        mu=treedef.unflatten(mus),
+        nu=treedef.unflatten(nus))
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = _tree.flatten_with_paths(updates)
+    mus = treedef.flatten_up_to(state.mu)
+    nus = treedef.flatten_up_to(state.nu)
+    count = optax.safe_increment(state.count)
+    t = count.astype(jnp.float32)
+    bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
+    bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
+    new_u, new_mu, new_nu = [], [], []
+    for (path, g), mu, nu in zip(leaves, mus, nus):
+      ax = leaf_axis(path, g)
+      g32 = g.astype(jnp.float32)
+      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32).astype(mu.dtype)
+      nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * groupmean(g32 * g32, group_size, ax)
+      n = g.shape[ax] if ax is not None else 1
+      denom = jnp.sqrt(expand_groups(nu32 / bc2, group_size, ax, n)) + eps
+      u = (mu.astype(jnp.float32) / bc1) / denom
+      new_u.append(u.astype(g.dtype))
+      new_mu.append(mu)
+      new_nu.append(nu32.astype(nu.dtype))
+    return treedef.unflatten(new_u), GroupedSecondMomentState(
+        count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def grouped_state_fraction(n: int, group_size: int) -> float:
+  """Fraction of a length-`n` axis's second moment that AdamPM stores."""
+  return num_groups(n, group_size) / n if n else 1.0
+
+
+__all__ = [
+    'GroupedSecondMomentState',
+    'expand_groups',
+    'groupmean',
+    'grouped_shape',
+    'num_groups',
+    'scale_by_grouped_second_moment',
+]

@@ -1,0 +1,208 @@
+"""Memory accounting from abstract shapes: nothing is allocated.
+
+State bytes come from `jax.eval_shape(tx.init, abstract_params)`; per-tier figures
+attribute every state leaf that follows the params' tree to its parameter's tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from skewadam_jax import _labels
+from skewadam_jax import _tiered
+from skewadam_jax import _tree
+
+GIB = 1024**3
+
+
+def leaf_bytes(x: Any, floating_only: bool = True) -> int:
+  """Bytes of one array-like leaf (array or `jax.ShapeDtypeStruct`); 0 otherwise."""
+  if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
+    return 0
+  dtype = jnp.dtype(x.dtype)
+  if floating_only and not jnp.issubdtype(dtype, jnp.inexact):
+    return 0
+  return int(np.prod(x.shape, dtype=np.int64)) * dtype.itemsize
+
+
+def tree_bytes(tree: Any, floating_only: bool = True) -> int:
+  """Total bytes of a pytree of arrays or `jax.ShapeDtypeStruct`s.
+
+  Args:
+    tree: any pytree (optimizer state, params, abstract or concrete).
+    floating_only: count only floating-point leaves (skips int step counters).
+
+  Returns:
+    The number of bytes, as a Python int.
+  """
+  return sum(leaf_bytes(x, floating_only) for x in jax.tree_util.tree_leaves(tree))
+
+
+def state_bytes(state: Any, floating_only: bool = True) -> int:
+  """Bytes of an optimizer state or abstract state (floating-point leaves only)."""
+  return tree_bytes(state, floating_only)
+
+
+def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
+  """The optimizer state as `jax.ShapeDtypeStruct`s, via `jax.eval_shape`."""
+  return jax.eval_shape(tx.init, params)
+
+
+def optimizer_state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
+  """Floating-point state bytes of `tx` for `params` (abstract or concrete)."""
+  return state_bytes(abstract_state(tx, params))
+
+
+def _children(node: Any) -> list[Any]:
+  """The immediate pytree children of `node` (empty for a leaf)."""
+  children, _ = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+  return [] if len(children) == 1 and children[0] is node else children
+
+
+def _attribute(node: Any, params_def: Any, labels: list[str], totals: dict[str, int]
+               ) -> None:
+  """Adds the bytes of `node`'s leaves to `totals`, per tier where they follow params."""
+  try:
+    subtrees = params_def.flatten_up_to(node)
+  except (ValueError, TypeError):
+    subtrees = None
+  if subtrees is not None:
+    for label, sub in zip(labels, subtrees):
+      totals[label] = totals.get(label, 0) + tree_bytes(sub)
+    return
+  children = _children(node)
+  if not children:
+    totals['(other)'] = totals.get('(other)', 0) + tree_bytes(node)
+    return
+  for child in children:
+    _attribute(child, params_def, labels, totals)
+
+
+def state_bytes_by_label(state: Any, params: Any, labels: Any) -> dict[str, int]:
+  """Floating state bytes per label, for every state subtree that follows `params`.
+
+  State leaves outside params-shaped subtrees (step counts, injected hyperparameters)
+  go under `'(other)'`.
+  """
+  params_def = jax.tree_util.tree_structure(params)
+  flat_labels = params_def.flatten_up_to(labels)
+  totals: dict[str, int] = {}
+  _attribute(state, params_def, flat_labels, totals)
+  return totals
+
+
+@dataclasses.dataclass(frozen=True)
+class TierMemory:
+  """Parameters and optimizer state of one tier."""
+  tier: str
+  leaves: int
+  params: int
+  param_bytes: int
+  state_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Per-tier parameters and optimizer-state bytes, and the totals."""
+  tiers: tuple[TierMemory, ...]
+  total_params: int
+  total_param_bytes: int
+  total_state_bytes: int
+
+  def format(self, title: str = '') -> str:
+    """A markdown table of the report."""
+    lines = [f'### {title}'] if title else []
+    lines += ['| tier | leaves | params | param bytes | state bytes | state GiB |',
+              '|---|---:|---:|---:|---:|---:|']
+    for t in self.tiers:
+      lines.append(f'| {t.tier} | {t.leaves} | {t.params:,} | {t.param_bytes:,} | '
+                   f'{t.state_bytes:,} | {t.state_bytes / GIB:.3f} |')
+    lines.append(f'| **total** | {sum(t.leaves for t in self.tiers)} | '
+                 f'{self.total_params:,} | {self.total_param_bytes:,} | '
+                 f'{self.total_state_bytes:,} | {self.total_state_bytes / GIB:.3f} |')
+    return '\n'.join(lines)
+
+
+def memory_report(params: Any, tx: optax.GradientTransformation, *,
+                  param_labels: Any = None) -> MemoryReport:
+  """Per-tier parameter and optimizer-state bytes of `tx` on `params` (eval_shape only).
+
+  Works for any optax optimizer whose state follows the params' tree (AdamW,
+  Adafactor, Lion, AdamPM, SkewAdam, ...): each state leaf is attributed to its
+  parameter's tier as given by `param_labels` (default `moe_param_labels`).
+
+  Args:
+    params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
+    tx: the optimizer.
+    param_labels: a label tree or labeler function; default `moe_param_labels`.
+
+  Returns:
+    A `MemoryReport`; `.format()` renders it as a markdown table.
+  """
+  labels = _labels.resolve_labels(params, param_labels)
+  flat_labels = jax.tree_util.tree_structure(params).flatten_up_to(labels)
+  by_label = state_bytes_by_label(abstract_state(tx, params), params, labels)
+  leaves = jax.tree_util.tree_leaves(params)
+  rows = []
+  for name in dict.fromkeys(list(flat_labels) + [k for k in by_label if k != '(other)']):
+    mine = [p for p, lab in zip(leaves, flat_labels) if lab == name]
+    rows.append(TierMemory(
+        tier=name, leaves=len(mine),
+        params=sum(int(np.prod(p.shape, dtype=np.int64)) for p in mine),
+        param_bytes=sum(leaf_bytes(p) for p in mine),
+        state_bytes=by_label.get(name, 0)))
+  if by_label.get('(other)', 0):
+    rows.append(TierMemory('(other)', 0, 0, 0, by_label['(other)']))
+  return MemoryReport(
+      tiers=tuple(rows),
+      total_params=sum(r.params for r in rows),
+      total_param_bytes=sum(r.param_bytes for r in rows),
+      total_state_bytes=sum(r.state_bytes for r in rows))
+
+
+def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
+                param_labels: Any = None) -> list[_labels.LeafReport]:
+  """Every leaf with its path, shape, tier, estimator and SkewAdam state bytes.
+
+  Args:
+    params: a pytree of arrays or `jax.ShapeDtypeStruct`s (Flax states too).
+    tiers: tier name -> `Tier`; default `PUBLISHED_TIERS`.
+    param_labels: a label tree or labeler function; default `moe_param_labels`.
+
+  Returns:
+    A list of `LeafReport`, one per leaf, in tree order.
+  """
+  tiers = dict(_tiered.PUBLISHED_TIERS if tiers is None else tiers)
+  labels = _labels.expand_labels(params, _labels.resolve_labels(params, param_labels),
+                                 tiers)
+  leaves, treedef = _tree.flatten_with_paths(params)
+  rows = []
+  for (path, p), label in zip(leaves, treedef.flatten_up_to(labels)):
+    tier = tiers[label]
+    abstract = jax.ShapeDtypeStruct(tuple(p.shape), p.dtype)
+    state = jax.eval_shape(_tiered.scale_by_tiered_adam(tier=tier).init, abstract)
+    rows.append(_labels.LeafReport(
+        path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)), tier=label,
+        second_moment=_tiered.leaf_kind(tuple(p.shape), tier),
+        param_bytes=leaf_bytes(p), state_bytes=state_bytes(state)))
+  return rows
+
+
+def format_label_table(rows: list[_labels.LeafReport]) -> str:
+  """`label_table` rows as an aligned, readable text table."""
+  header = ('path', 'shape', 'dtype', 'tier', 'second moment', 'state bytes')
+  body = [(r.path, 'x'.join(map(str, r.shape)) or '()', r.dtype, r.tier,
+           r.second_moment, f'{r.state_bytes:,}') for r in rows]
+  widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+  fmt = '  '.join(f'{{:{">" if i == 5 else "<"}{w}}}' for i, w in enumerate(widths))
+  out = [fmt.format(*header), fmt.format(*('-' * w for w in widths))]
+  out += [fmt.format(*row) for row in body]
+  total = sum(r.state_bytes for r in rows)
+  out.append(f'{len(rows)} leaves, {total:,} B of optimizer state ({total / GIB:.3f} GiB)')
+  return '\n'.join(out)

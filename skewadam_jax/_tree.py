@@ -1,0 +1,39 @@
+"""Small pytree helpers: flattening with readable, normalised paths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def key_to_str(key: Any) -> str:
+  """One path entry as a plain string (dict key, attribute, index)."""
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_segments(path: tuple[Any, ...]) -> tuple[str, ...]:
+  """Normalised segments of a key path: stringified, trailing `value` dropped.
+
+  Flax wraps parameters in boxes whose array sits under a `value` attribute (boxed
+  Linen params, `nnx.State` at `init`), while the pure arrays that `nnx.Optimizer`
+  passes to `update` have no such entry; dropping it gives both the same path.
+  """
+  segments = tuple(key_to_str(k) for k in path)
+  while segments and segments[-1] in ('value', 'raw_value'):
+    segments = segments[:-1]
+  return segments
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+  """A key path as a '/'-joined string of normalised segments."""
+  return '/'.join(path_segments(path)) or '<root>'
+
+
+def flatten_with_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+  """Leaves of `tree` with their '/'-joined paths, and the treedef."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [(path_str(p), leaf) for p, leaf in with_path], treedef

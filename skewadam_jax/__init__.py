@@ -34,6 +34,8 @@ from skewadam_jax._memory import TierMemory
 from skewadam_jax._memory import tree_bytes
 from skewadam_jax._rounding import apply_updates_stochastic
 from skewadam_jax._rounding import stochastic_round
+from skewadam_jax._sharding import sharded_abstract_state
+from skewadam_jax._sharding import state_shardings
 from skewadam_jax._tiered import EPS_MODES
 from skewadam_jax._tiered import PUBLISHED_TIERS
 from skewadam_jax._tiered import scale_by_tiered_adam
@@ -74,9 +76,11 @@ __all__ = (
     'row_col_means',
     'scale_by_grouped_second_moment',
     'scale_by_tiered_adam',
+    'sharded_abstract_state',
     'skewadam',
     'state_bytes',
     'state_bytes_by_label',
+    'state_shardings',
     'stochastic_round',
     'tier_labeler',
     'tree_bytes',

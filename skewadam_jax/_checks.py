@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,8 +36,24 @@ def check_non_negative(name: str, value: Any) -> None:
     raise ValueError(f'`{name}` must be >= 0, got {value!r}.')
 
 
+def _is_array(value: Any) -> bool:
+  """Whether `value` is a (possibly traced) JAX or NumPy array rather than a Python value."""
+  return isinstance(value, (jax.Array, np.ndarray))
+
+
+def _static_hint(name: str) -> str:
+  """How to keep a static argument static under `optax.inject_hyperparams`."""
+  return (f' `optax.inject_hyperparams` turns int arguments into arrays: pass '
+          f"`static_args=('{name}', ...)` to keep `{name}` a Python value, e.g. "
+          "`optax.inject_hyperparams(sj.adampm, static_args=('group_size', 'axis'))`.")
+
+
 def check_positive_int(name: str, value: Any) -> int:
   """Returns `value` if it is a positive Python int; raises otherwise."""
+  if _is_array(value):
+    raise TypeError(
+        f'`{name}` must be a static positive Python int (allowed: 1, 2, 3, ...), got an '
+        f'array {value!r}.' + _static_hint(name))
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(
         f'`{name}` must be a positive Python int (it is static, not a traced or '
@@ -46,11 +63,38 @@ def check_positive_int(name: str, value: Any) -> int:
   return int(value)
 
 
-def check_axis(value: Any) -> int:
+def check_axis(value: Any, name: str = 'axis') -> int:
   """Returns `value` if it is a Python int usable as an axis; raises otherwise."""
+  if _is_array(value):
+    raise TypeError(f'`{name}` must be a static Python int (negative allowed), got an '
+                    f'array {value!r}.' + _static_hint(name))
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f'`axis` must be a Python int (negative allowed), got {value!r}.')
+    raise TypeError(f'`{name}` must be a Python int (negative allowed), got {value!r}.')
   return int(value)
+
+
+def check_float_dtype(name: str, value: Any) -> Any:
+  """`value` as a floating `jnp.dtype` (None passes through); raises otherwise.
+
+  Arrays are rejected: `optax.inject_hyperparams` treats a dtype class such as
+  `jnp.float32` as a schedule and would pass its value (an array) instead.
+  """
+  if value is None:
+    return None
+  if _is_array(value):
+    raise TypeError(
+        f'`{name}` must be a floating dtype or None, got an array {value!r}. '
+        '`optax.inject_hyperparams` treats dtype classes such as `jnp.float32` as '
+        f"schedules: pass `static_args=('{name}', ...)` or the dtype's name as a string.")
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise TypeError(f'`{name}` must be a floating dtype (e.g. jnp.float32, '
+                    f"jnp.bfloat16, 'float32') or None, got {value!r}.") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f'`{name}` must be a floating dtype (e.g. jnp.float32, '
+                    f"jnp.bfloat16, 'float32') or None, got {value!r}.")
+  return dtype
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:

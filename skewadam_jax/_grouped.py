@@ -22,7 +22,8 @@ def num_groups(n: int, group_size: int) -> int:
   return -(-n // group_size)
 
 
-def resolve_axis(ndim: int, axis: int, path: str = 'leaf') -> Optional[int]:
+def resolve_axis(ndim: int, axis: int, path: str = 'leaf', name: str = 'axis'
+                 ) -> Optional[int]:
   """The non-negative grouping axis of a leaf, or None for 0-d leaves.
 
   1-D leaves (norm scales, biases) are always grouped along their only axis; for
@@ -34,7 +35,7 @@ def resolve_axis(ndim: int, axis: int, path: str = 'leaf') -> Optional[int]:
     return 0
   if not -ndim <= axis < ndim:
     raise ValueError(
-        f'`axis`={axis} is out of range for parameter {path} with {ndim} dimensions; '
+        f'`{name}`={axis} is out of range for parameter {path} with {ndim} dimensions; '
         f'allowed values are {-ndim}..{ndim - 1}.')
   return axis % ndim
 
@@ -47,6 +48,72 @@ def grouped_shape(shape: tuple[int, ...], group_size: int, axis: Optional[int]
   shape = list(shape)
   shape[axis] = num_groups(shape[axis], group_size)
   return tuple(shape)
+
+
+def axis_shards(x: Any, axis: Optional[int]) -> tuple[Any, int]:
+  """The Explicit-mesh axes that shard `x` along `axis`, and the number of shards.
+
+  Reads the sharding in `x`'s type (`jax.typeof(x).sharding`), which names mesh axes
+  only under an Explicit mesh; under an Auto mesh, `pmap`, inside `shard_map` (local
+  shards) or without a mesh it gives `(None, 1)`.
+  """
+  if axis is None:
+    return None, 1
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  spec = getattr(sharding, 'spec', None)
+  if spec is None or axis >= len(spec) or not isinstance(spec[axis], (str, tuple)):
+    return None, 1
+  entry = spec[axis]
+  names = entry if isinstance(entry, tuple) else (entry,)
+  count = 1
+  for name in names:
+    count *= sharding.mesh.shape[name]
+  return entry, count
+
+
+def check_whole_groups(x: Any, group_size: int, axis: Optional[int], path: str = 'leaf'
+                       ) -> int:
+  """Number of shards of `x` along `axis`; raises if a group would straddle two shards.
+
+  Pooling along a sharded axis needs no communication when every shard holds whole
+  groups, i.e. when `group_size` divides the shard length.
+  """
+  entry, shards = axis_shards(x, axis)
+  if shards > 1 and group_size > 1:
+    n = x.shape[axis]
+    shard_len = n // shards
+    if n % shards or shard_len % group_size:
+      raise ValueError(
+          f'Cannot pool parameter {path} in groups of group_size={group_size} along axis '
+          f'{axis}: that axis (length {n}) is sharded over mesh axis {entry!r} into '
+          f'{shards} shards of shard length {shard_len}, and a group would straddle two '
+          f'shards. Use a group size that divides {shard_len}, pool along an unsharded '
+          'axis (`axis=` / `group_axis=`), or shard this axis differently.')
+  return shards
+
+
+def _sharded_spec(x: Any) -> Any:
+  """`x`'s PartitionSpec under an Explicit mesh, one entry per dimension."""
+  spec = tuple(jax.typeof(x).sharding.spec)
+  return spec + (None,) * (x.ndim - len(spec))
+
+
+def _groupmean_sharded(x: jax.Array, group_size: int, axis: int) -> jax.Array:
+  """`groupmean` along an Explicit-sharded axis whose shards hold whole groups."""
+  spec = _sharded_spec(x)
+  n = x.shape[axis]
+  split = x.shape[:axis] + (n // group_size, group_size) + x.shape[axis + 1:]
+  out_spec = jax.P(*spec[:axis], spec[axis], None, *spec[axis + 1:])
+  return jnp.mean(jax.lax.reshape(x, split, out_sharding=out_spec), axis=axis + 1)
+
+
+def _expand_groups_sharded(nu: jax.Array, group_size: int, axis: int) -> jax.Array:
+  """`expand_groups` along an Explicit-sharded axis: broadcast + shard-local reshape."""
+  spec = _sharded_spec(nu)
+  wide = nu.shape[:axis + 1] + (group_size,) + nu.shape[axis + 1:]
+  full = jnp.broadcast_to(jnp.expand_dims(nu, axis + 1), wide)
+  shape = nu.shape[:axis] + (nu.shape[axis] * group_size,) + nu.shape[axis + 1:]
+  return jax.lax.reshape(full, shape, out_sharding=jax.P(*spec))
 
 
 def groupmean(x: jax.Array, group_size: int, axis: Optional[int]) -> jax.Array:
@@ -65,6 +132,8 @@ def groupmean(x: jax.Array, group_size: int, axis: Optional[int]) -> jax.Array:
   """
   if axis is None or group_size == 1:
     return x
+  if check_whole_groups(x, group_size, axis) > 1:
+    return _groupmean_sharded(x, group_size, axis)
   n = x.shape[axis]
   full = (n // group_size) * group_size
   pieces = []
@@ -83,6 +152,8 @@ def expand_groups(nu: jax.Array, group_size: int, axis: Optional[int], n: int
   """Repeats each group value `group_size` times along `axis` and crops to `n`."""
   if axis is None or group_size == 1:
     return nu
+  if axis_shards(nu, axis)[1] > 1:
+    return _expand_groups_sharded(nu, group_size, axis)
   # A gather with iota indices fuses into the consumer's loop in XLA, unlike
   # repeat + slice, so the full-size expanded array is never materialised.
   index = jnp.arange(n, dtype=jnp.int32) // group_size
@@ -105,7 +176,7 @@ def scale_by_grouped_second_moment(
     axis: int = -1,
     mu_dtype: Optional[Any] = None,
     nu_dtype: Optional[Any] = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by Adam with a second moment pooled over groups (AdamPM).
 
   With `groupmean_s` the mean over runs of `s` neighbouring elements along `axis`
@@ -130,7 +201,7 @@ def scale_by_grouped_second_moment(
     nu_dtype: dtype the pooled second moment is stored in; default the parameters'.
 
   Returns:
-    An `optax.GradientTransformation`.
+    An `optax.GradientTransformationExtraArgs` (extra `update` keywords are ignored).
 
   Example:
     >>> import jax.numpy as jnp, optax, skewadam_jax as sj
@@ -147,8 +218,8 @@ def scale_by_grouped_second_moment(
   _checks.check_non_negative('eps', eps)
   group_size = _checks.check_positive_int('group_size', group_size)
   axis = _checks.check_axis(axis)
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+  mu_dtype = _checks.check_float_dtype('mu_dtype', mu_dtype)
+  nu_dtype = _checks.check_float_dtype('nu_dtype', nu_dtype)
 
   def leaf_axis(path: str, p: Any) -> Optional[int]:
     return resolve_axis(len(p.shape), axis, path)
@@ -159,6 +230,7 @@ def scale_by_grouped_second_moment(
     for path, p in leaves:
       _checks.check_float_leaf(path, p.dtype, 'scale_by_grouped_second_moment')
       ax = leaf_axis(path, p)
+      check_whole_groups(p, group_size, ax, path)
       mus.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
       # Built from the parameter, so that the statistic inherits its sharding.
       zeros = jnp.zeros_like(p, dtype=nu_dtype or p.dtype)
@@ -168,8 +240,8 @@ def scale_by_grouped_second_moment(
         mu=treedef.unflatten(mus),
         nu=treedef.unflatten(nus))
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args  # unused; accepted so that the transform chains like optax's
     leaves, treedef = _tree.flatten_with_paths(updates)
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
@@ -192,7 +264,7 @@ def scale_by_grouped_second_moment(
     return treedef.unflatten(new_u), GroupedSecondMomentState(
         count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def grouped_state_fraction(n: int, group_size: int) -> float:

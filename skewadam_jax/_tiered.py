@@ -64,7 +64,7 @@ class Tier:
     object.__setattr__(self, 'mu_dtype', mu_dtype)
     _checks.check_choice('second_moment', self.second_moment, SECOND_MOMENTS)
     _checks.check_positive_int('group_size', self.group_size)
-    _checks.check_axis(self.group_axis)
+    _checks.check_axis(self.group_axis, 'group_axis')
     if self.clip_threshold is not None:
       if not _checks.is_concrete_number(self.clip_threshold):
         raise TypeError('`clip_threshold` must be a positive float or None, got '
@@ -122,7 +122,7 @@ def scale_by_tiered_adam(
     *,
     tier: Optional[Tier] = None,
     **tier_options: Any,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates with one SkewAdam tier's rule.
 
   Per leaf, with `bc1 = 1 - b1^t`, `bc2 = 1 - b2^t` and gradients in float32::
@@ -148,7 +148,7 @@ def scale_by_tiered_adam(
     **tier_options: overrides of `tier`'s fields, e.g. `momentum=False`.
 
   Returns:
-    An `optax.GradientTransformation`.
+    An `optax.GradientTransformationExtraArgs` (extra `update` keywords are ignored).
 
   Example:
     >>> import jax.numpy as jnp, optax, skewadam_jax as sj
@@ -169,7 +169,7 @@ def scale_by_tiered_adam(
   floor = tier.eps_mode == 'floor'
 
   def grouped_axis(path: str, shape: tuple[int, ...]) -> Optional[int]:
-    return _grouped.resolve_axis(len(shape), tier.group_axis, path)
+    return _grouped.resolve_axis(len(shape), tier.group_axis, path, 'group_axis')
 
   def init_leaf(path: str, p: Any) -> tuple[Any, Any, Any, Any]:
     _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
@@ -178,12 +178,15 @@ def scale_by_tiered_adam(
     mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else optax.MaskedNode()
     v_row = v_col = v = optax.MaskedNode()
     # Every statistic is derived from the parameter (never `jnp.zeros(shape)`) so that
-    # it inherits the parameter's sharding; slicing is free under `zeros_like`.
+    # it inherits the parameter's sharding minus the reduced axis. A reduction (free
+    # under jit) rather than `p[..., 0]`: slicing a sharded axis to length 1 is an error
+    # under an Explicit mesh.
     if kind == 'factored':
-      v_row = jnp.zeros_like(p[..., 0], dtype=jnp.float32)
-      v_col = jnp.zeros_like(p[..., 0, :], dtype=jnp.float32)
+      v_row = jnp.zeros_like(p, dtype=jnp.float32).sum(axis=-1)
+      v_col = jnp.zeros_like(p, dtype=jnp.float32).sum(axis=-2)
     elif kind == 'grouped':
       ax = grouped_axis(path, shape)
+      _grouped.check_whole_groups(p, tier.group_size, ax, path)
       v = _grouped.groupmean(jnp.zeros_like(p, dtype=jnp.float32), tier.group_size, ax)
     else:
       v = jnp.zeros_like(p, dtype=jnp.float32)
@@ -239,8 +242,8 @@ def scale_by_tiered_adam(
     u = _rms_clip(u, tier.clip_threshold)
     return u.astype(g.dtype), mu, v_row, v_col, v
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args  # unused; accepted so that the transform chains like optax's
     leaves, treedef = _tree.flatten_with_paths(updates)
     mus = treedef.flatten_up_to(state.mu)
     rows = treedef.flatten_up_to(state.v_row)
@@ -255,4 +258,4 @@ def scale_by_tiered_adam(
     trees = [treedef.unflatten([o[i] for o in out]) for i in range(5)]
     return trees[0], TieredAdamState(count, *trees[1:])
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

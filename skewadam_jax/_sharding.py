@@ -1,0 +1,286 @@
+"""Shardings of the optimizer state, derived from the shardings of the parameters.
+
+Under an Explicit mesh (`jax.make_mesh` + `jax.set_mesh`) the state built by
+`jax.jit(tx.init)(sharded_params)` already follows the parameters. Everywhere else
+(Auto meshes, `jit(..., out_shardings=...)`, Orbax restore targets) the state's
+shardings must be given, and a state leaf does not always have its parameter's rank:
+
+* momentum, Adam's and the exact second moment: the parameter's spec;
+* factored row statistics `[..., R]`: the spec without the last axis;
+* factored column statistics `[..., C]`: the spec without the second-to-last axis;
+* pooled (AdamPM) second moments: the parameter's spec, the grouped axis shortened,
+  which needs every shard to hold whole groups;
+* step counts, hyperparameters and anything not following the params: replicated.
+
+`optax.tree_utils.tree_map_params` hands every params-shaped subtree the parameter's
+full-rank spec, which is wrong for the reduced statistics (and it cannot even run our
+`init`, which reads shapes); `state_shardings` derives each leaf's spec from the axes
+the leaf keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+from jax.sharding import Sharding
+
+from skewadam_jax import _grouped
+from skewadam_jax import _tiered
+from skewadam_jax import _tree
+
+# How a state leaf that follows the params keeps its parameter's axes.
+SAME = 'same'  # rank of the parameter; some axes may be shortened (pooled)
+DROP_LAST = 'drop_last'  # factored rows [..., R]
+DROP_SECOND_LAST = 'drop_second_last'  # factored columns [..., C]
+INFER = 'infer'  # unknown state: decided from the shapes
+
+Spec = tuple[Any, ...]  # one PartitionSpec entry per dimension
+
+
+def _is_spec(x: Any) -> bool:
+  return x is None or isinstance(x, (PartitionSpec, Sharding))
+
+
+def _is_array_like(x: Any) -> bool:
+  return hasattr(x, 'shape') and hasattr(x, 'dtype')
+
+
+def _padded(spec: Any, ndim: int) -> Spec:
+  """A spec as a tuple with exactly one entry per dimension."""
+  entries = tuple(spec) if spec is not None else ()
+  if len(entries) > ndim:
+    raise ValueError(f'PartitionSpec {spec} has more entries than the {ndim} dimensions '
+                     'of its parameter.')
+  return entries + (None,) * (ndim - len(entries))
+
+
+def _shards(entry: Any, mesh: Optional[Mesh]) -> int:
+  """Number of shards that a spec entry splits an axis into (1 if unknown)."""
+  if mesh is None or not isinstance(entry, (str, tuple)):
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
+
+
+def _check_shortened_axes(path: str, param_shape: tuple[int, ...], leaf_shape: tuple[int, ...],
+                          spec: Spec, mesh: Optional[Mesh]) -> None:
+  """Raises if a pooled axis keeps a sharding under which groups straddle shards."""
+  for axis, (n, groups) in enumerate(zip(param_shape, leaf_shape)):
+    shards = _shards(spec[axis], mesh)
+    if n == groups or shards == 1:
+      continue
+    group_size = -(-n // groups)
+    if n % groups or groups % shards or n % shards:
+      raise ValueError(
+          f'Parameter {path} of shape {param_shape} is pooled along axis {axis} into '
+          f'{groups} groups of group_size={group_size}, but that axis is sharded over '
+          f'mesh axis {spec[axis]!r} into {shards} shards of shard length {n // shards}: '
+          'a group would straddle two shards. Use a group size that divides the shard '
+          'length, pool along an unsharded axis, or shard this axis differently.')
+
+
+def _leaf_spec(rule: str, path: str, param_shape: tuple[int, ...], param_spec: Any,
+               leaf: Any, mesh: Optional[Mesh]) -> PartitionSpec:
+  """The spec of one state leaf that follows a parameter, from the axes it keeps."""
+  shape = tuple(leaf.shape)
+  spec = _padded(param_spec, len(param_shape))
+  if rule == DROP_LAST and shape == param_shape[:-1]:
+    return PartitionSpec(*spec[:-1])
+  if rule == DROP_SECOND_LAST and shape == param_shape[:-2] + param_shape[-1:]:
+    return PartitionSpec(*spec[:-2], *spec[-1:])
+  if len(shape) == len(param_shape) and all(s <= n for s, n in zip(shape, param_shape)):
+    _check_shortened_axes(path, param_shape, shape, spec, mesh)
+    return PartitionSpec(*spec)
+  if len(shape) == len(param_shape) - 1:
+    # An unknown reduced statistic: keep the spec if the dropped axis is unambiguous.
+    candidates = {spec[:i] + spec[i + 1:] for i in range(len(param_shape))
+                  if param_shape[:i] + param_shape[i + 1:] == shape}
+    if len(candidates) == 1:
+      return PartitionSpec(*candidates.pop())
+  return _replicated(leaf)  # safe default
+
+
+def _replicated(leaf: Any) -> PartitionSpec:
+  """The fully replicated spec of an array-like leaf."""
+  return PartitionSpec(*(None,) * len(np.shape(leaf)))
+
+
+class _Mapper:
+  """Walks an abstract state, giving every array leaf its PartitionSpec."""
+
+  def __init__(self, params: Any, specs: list[Any], mesh: Optional[Mesh]):
+    leaves, self.params_def = _tree.flatten_with_paths(params)
+    self.paths = [path for path, _ in leaves]
+    self.shapes = [tuple(p.shape) for _, p in leaves]
+    self.specs = specs
+    self.mesh = mesh
+    self.params_is_leaf = jax.tree_util.treedef_is_leaf(self.params_def)
+
+  def follow(self, node: Any, rule: str) -> Any:
+    """Specs of a subtree with the params' structure (masked leaves stay masked).
+
+    Returns None if `node` does not have the params' structure.
+    """
+    try:
+      subtrees = self.params_def.flatten_up_to(node)
+    except (ValueError, TypeError):
+      return None
+    out = []
+    for sub, path, shape, spec in zip(subtrees, self.paths, self.shapes, self.specs):
+      if _is_array_like(sub):
+        out.append(_leaf_spec(rule, path, shape, spec, sub, self.mesh))
+      else:  # optax.MaskedNode, None, or a container of unrelated leaves
+        out.append(jax.tree.map(_replicated, sub))
+    return self.params_def.unflatten(out)
+
+  def field(self, node: Any, rule: str) -> Any:
+    """Specs of a state field that is known to follow the params with `rule`."""
+    followed = self.follow(node, rule)
+    return followed if followed is not None else self(node)
+
+  def __call__(self, node: Any) -> Any:
+    if isinstance(node, _tiered.TieredAdamState):
+      return _tiered.TieredAdamState(
+          count=self(node.count), mu=self.field(node.mu, SAME),
+          v_row=self.field(node.v_row, DROP_LAST),
+          v_col=self.field(node.v_col, DROP_SECOND_LAST), v=self.field(node.v, SAME))
+    if isinstance(node, _grouped.GroupedSecondMomentState):
+      return _grouped.GroupedSecondMomentState(
+          count=self(node.count), mu=self.field(node.mu, SAME), nu=self.field(node.nu, SAME))
+    if _is_array_like(node):
+      # Only a single-array params tree can be followed by a lone array.
+      followed = self.follow(node, INFER) if self.params_is_leaf else None
+      return followed if followed is not None else _replicated(node)
+    if not self.params_is_leaf:
+      followed = self.follow(node, INFER)
+      if followed is not None:
+        return followed
+    children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    if not children:  # optax.MaskedNode, optax.EmptyState, None
+      return node
+    if len(children) == 1 and children[0] is node:  # a non-array leaf
+      return _replicated(node)
+    return treedef.unflatten([self(child) for child in children])
+
+
+def _flat_param_specs(params: Any, param_shardings: Any) -> tuple[list[Any], Optional[Mesh]]:
+  """One spec per parameter leaf (a prefix tree is broadcast) and the mesh, if named."""
+  params_def = jax.tree_util.tree_structure(params)
+  try:
+    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), param_shardings,
+                        params, is_leaf=_is_spec)
+  except (ValueError, TypeError) as e:
+    raise ValueError('`param_shardings` must be a pytree of PartitionSpecs or '
+                     'NamedShardings with the structure of the params (or a prefix of '
+                     f'it): {e}') from None
+  flat = params_def.flatten_up_to(full)
+  meshes = {s.mesh for s in flat if isinstance(s, NamedSharding)}
+  if len(meshes) > 1:
+    raise ValueError('`param_shardings` use more than one mesh.')
+  specs = []
+  for s in flat:
+    if isinstance(s, NamedSharding):
+      specs.append(s.spec)
+    elif s is None or isinstance(s, PartitionSpec):
+      specs.append(s)
+    else:
+      raise TypeError('`param_shardings` leaves must be PartitionSpec, NamedSharding or '
+                      f'None, got {type(s).__name__}.')
+  return specs, (meshes.pop() if meshes else None)
+
+
+def state_shardings(
+    tx: optax.GradientTransformation,
+    params: Any,
+    param_shardings: Any,
+    *,
+    mesh: Optional[Mesh] = None,
+) -> Any:
+  r"""Shardings of `tx`'s state, derived from the params' PartitionSpecs or shardings.
+
+  The state's structure comes from `jax.eval_shape(tx.init, params)` (nothing is
+  allocated); each array leaf that follows a parameter gets the parameter's spec
+  restricted to the axes the leaf keeps::
+
+    momentum, exact v, Adam's mu/nu       spec
+    factored rows    [..., R]             spec[:-1]
+    factored columns [..., C]             spec[:-2] + spec[-1:]
+    pooled nu        (axis n -> n/s)      spec  (whole groups per shard, checked)
+    counts, hyperparameters               replicated
+
+  Works for `skewadam`, `adampm`, `scale_by_tiered_adam`,
+  `scale_by_grouped_second_moment` and plain optax states (e.g. `optax.adamw`),
+  nested in `optax.chain`, `optax.partition`, `optax.masked`,
+  `optax.inject_hyperparams` or `optax.MultiSteps`. Unknown leaves of a lower rank
+  keep the spec when the dropped axis is unambiguous from the shapes, and are
+  replicated otherwise.
+
+  Args:
+    tx: the optimizer.
+    params: the parameters, as arrays or `jax.ShapeDtypeStruct`s.
+    param_shardings: a pytree with the params' structure (or a prefix of it) of
+      `PartitionSpec`s, `NamedSharding`s or None (replicated).
+    mesh: the mesh to build `NamedSharding`s on; default the mesh of the given
+      `NamedSharding`s. Without either, `PartitionSpec`s are returned.
+
+  Returns:
+    A pytree with the structure of `tx.init(params)` of `NamedSharding`s (with a mesh)
+    or `PartitionSpec`s, usable as `jax.jit` `out_shardings`/`in_shardings`, in
+    `jax.device_put`, or in an Orbax restore target (see `sharded_abstract_state`).
+
+  Raises:
+    ValueError: if a pooled axis is sharded so that groups straddle shards (checked
+      when the mesh is known).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, skewadam_jax as sj
+    >>> from jax.sharding import PartitionSpec as P
+    >>> params = {'experts': {'w1': jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)}}
+    >>> specs = {'experts': {'w1': P('expert', None, 'data')}}
+    >>> shardings = sj.state_shardings(sj.skewadam(1e-3), params, specs)
+    >>> shardings[0].inner_states['experts'].inner_state.v_row['experts']['w1']
+    PartitionSpec('expert', None)
+  """
+  specs, named_mesh = _flat_param_specs(params, param_shardings)
+  mesh = mesh if mesh is not None else named_mesh
+  abstract = jax.eval_shape(tx.init, params)
+  specs_tree = _Mapper(params, specs, mesh)(abstract)
+  if mesh is None:
+    return specs_tree
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs_tree)
+
+
+def sharded_abstract_state(
+    tx: optax.GradientTransformation,
+    params: Any,
+    param_shardings: Any,
+    *,
+    mesh: Optional[Mesh] = None,
+) -> Any:
+  """`jax.eval_shape(tx.init, params)` with a `sharding` on every leaf.
+
+  The restore target for Orbax (`ocp.args.StandardRestore(target)`) or the abstract
+  argument of `jax.jit(...).lower`: shapes and dtypes of the state, each leaf placed
+  as `state_shardings` says.
+
+  Args:
+    tx: the optimizer.
+    params: the parameters, as arrays or `jax.ShapeDtypeStruct`s.
+    param_shardings: the params' `NamedSharding`s, or `PartitionSpec`s with `mesh`.
+    mesh: the mesh, required unless `param_shardings` are `NamedSharding`s.
+
+  Returns:
+    A pytree of `jax.ShapeDtypeStruct`s with the structure of `tx.init(params)`.
+  """
+  shardings = state_shardings(tx, params, param_shardings, mesh=mesh)
+  abstract = jax.eval_shape(tx.init, params)
+  if not all(isinstance(s, Sharding) for s in jax.tree.leaves(shardings)):
+    raise ValueError('`sharded_abstract_state` needs a mesh: pass NamedShardings or `mesh=`.')
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

@@ -1,0 +1,125 @@
+"""The full optimizers inside real pipelines: jit, inject_hyperparams, chain, MultiSteps,
+abstract init and flax.nnx.Optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import skewadam_jax as sj
+import moe_models as mm
+from trees import init_params, make_grads_fn, nest, run_optax
+
+FACTORIES = {'skewadam': sj.skewadam, 'adampm': sj.adampm}
+
+
+def _params():
+  return nest({k: jnp.asarray(v, jnp.float32) for k, v in init_params().items()})
+
+
+@pytest.mark.parametrize('name', FACTORIES)
+def test_jit_equals_eager(name):
+  tx = FACTORIES[name](learning_rate=1e-2, weight_decay=0.1)
+  eager, _ = run_optax(tx, init_params(), make_grads_fn(), 3, jit=False)
+  jitted, _ = run_optax(tx, init_params(), make_grads_fn(), 3, jit=True)
+  for k in eager:
+    np.testing.assert_allclose(jitted[k], eager[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize('name', FACTORIES)
+def test_inject_hyperparams_gives_same_results(name):
+  kw = dict(learning_rate=1e-2, b1=0.8, b2=0.99, weight_decay=0.1)
+  plain, s_plain = run_optax(FACTORIES[name](**kw), init_params(), make_grads_fn(), 5)
+  # Group size and axis are static: optax would turn the ints into traced arrays.
+  static = ('group_size', 'axis') if name == 'adampm' else ()
+  injected_tx = optax.inject_hyperparams(FACTORIES[name], static_args=static)(**kw)
+  injected, s_inj = run_optax(injected_tx, init_params(), make_grads_fn(), 5)
+  for k in plain:
+    np.testing.assert_allclose(injected[k], plain[k], rtol=1e-6, atol=1e-7)
+  assert float(s_inj.hyperparams['b1']) == pytest.approx(0.8)
+  # Changing an injected value changes the trajectory (so it is really used).
+  s_inj.hyperparams['learning_rate'] = jnp.asarray(0.0)
+  p = nest({k: jnp.asarray(v, jnp.float32) for k, v in injected.items()})
+  updates, _ = injected_tx.update(jax.tree.map(jnp.ones_like, p), s_inj, p)
+  assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize('name', FACTORIES)
+def test_inside_chain_with_clipping(name):
+  tx = optax.chain(optax.clip_by_global_norm(1.0), FACTORIES[name](learning_rate=1e-2))
+  got, _ = run_optax(tx, init_params(), make_grads_fn(), 5)
+  assert all(np.all(np.isfinite(v)) for v in got.values())
+  moved = max(np.max(np.abs(got[k] - v)) for k, v in init_params().items())
+  assert moved > 1e-3
+
+
+@pytest.mark.parametrize('name', FACTORIES)
+def test_multisteps_accumulates_then_applies(name):
+  k = 3
+  tx = optax.MultiSteps(FACTORIES[name](learning_rate=1e-2), every_k_schedule=k)
+  params = _params()
+  state = tx.init(params)
+  g = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), params)
+  update = jax.jit(tx.update)
+  for i in range(k):
+    updates, state = update(g, state, params)
+    nonzero = any(float(jnp.max(jnp.abs(u))) > 0 for u in jax.tree.leaves(updates))
+    assert nonzero == (i == k - 1)
+  # The applied update equals one step of the inner optimizer on the mean gradient.
+  inner = FACTORIES[name](learning_rate=1e-2)
+  want, _ = inner.update(g, inner.init(params), params)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize('name', FACTORIES)
+def test_init_on_shape_dtype_structs(name):
+  tx = FACTORIES[name](learning_rate=1e-3)
+  params = _params()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  shapes = jax.eval_shape(tx.init, abstract)
+  concrete = tx.init(params)
+  assert jax.tree.structure(shapes) == jax.tree.structure(concrete)
+  for a, b in zip(jax.tree.leaves(shapes), jax.tree.leaves(concrete)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+
+
+def test_schedule_learning_rate():
+  sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10)
+  got, state = run_optax(sj.skewadam(sched), init_params(), make_grads_fn(), 4)
+  steps = [float(sched(i)) for i in range(4)]
+  assert steps[0] == 0.0 and steps[3] > 0
+  moved = max(np.max(np.abs(got[k] - v)) for k, v in init_params().items())
+  assert moved > 1e-4
+
+
+def test_router_tier_is_not_decayed():
+  params = {'moe': {'router': jnp.ones((4, 3)), 'experts': {'w1': jnp.ones((3, 4, 5))}},
+            'embed': jnp.ones((6, 4))}
+  tx = sj.skewadam(1.0, weight_decay=0.5)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  assert float(jnp.max(jnp.abs(updates['moe']['router']))) == 0.0
+  np.testing.assert_allclose(updates['embed'], -0.5 * params['embed'])
+  np.testing.assert_allclose(updates['moe']['experts']['w1'], -0.5)
+
+
+@pytest.mark.parametrize('name', FACTORIES)
+def test_nnx_optimizer_trains_an_moe_model(name):
+  model = mm.NNXMoELM(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, FACTORIES[name](learning_rate=1e-2), wrt=nnx.Param)
+  tokens = mm.copy_task_batch()
+
+  @nnx.jit
+  def train_step(model, optimizer, tokens):
+    loss, grads = nnx.value_and_grad(mm.nnx_lm_loss)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer, tokens)) for _ in range(20)]
+  assert losses[-1] < 0.7 * losses[0], losses
+  if name == 'skewadam':
+    inner = optimizer.opt_state[0].inner_states
+    assert set(inner) == {'backbone', 'experts', 'router'}

@@ -1,0 +1,82 @@
+"""Memory accounting from abstract shapes, on the published 6.78B configuration."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import skewadam_jax as sj
+
+S = jax.ShapeDtypeStruct
+BF16, F32 = jnp.bfloat16, jnp.float32
+D, H, E, VOCAB, POS = 4096, 4096, 128, 50304, 256
+
+
+def _block(moe: bool) -> dict:
+  ln = {'scale': S((D,), F32), 'bias': S((D,), F32)}
+  block = {'attn': {'q_proj': {'kernel': S((D, D), BF16)}, 'k_proj': {'kernel': S((D, 1024), BF16)},
+                    'v_proj': {'kernel': S((D, 1024), BF16)},
+                    'o_proj': {'kernel': S((D, D), BF16)}},
+           'ln1': dict(ln), 'ln2': dict(ln)}
+  if moe:
+    block['moe'] = {'router': {'kernel': S((D, E), F32)},
+                    'experts': {'w1': S((E, D, H), BF16), 'w2': S((E, D, H), BF16),
+                                'w3': S((E, H, D), BF16)}}
+  else:
+    block['mlp'] = {n: {'kernel': S((D, D), BF16)} for n in ('w1', 'w2', 'w3')}
+  return block
+
+
+def paper_params() -> dict:
+  """The published 6.78B MoE: bf16 weights, fp32 norms and router (abstract)."""
+  return {'embed': {'embedding': S((VOCAB, D), BF16)}, 'pos_embed': S((POS, D), BF16),
+          'blocks': {'0': _block(False), '1': _block(True)},
+          'final_norm': {'scale': S((D,), F32), 'bias': S((D,), F32)}}
+
+
+def test_paper_parameter_split():
+  report = sj.memory_report(paper_params(), sj.skewadam(3e-4))
+  by_tier = {t.tier: t.params for t in report.tiers}
+  assert by_tier == {'backbone': 341_352_448, 'experts': 6_442_450_944, 'router': 524_288}
+  assert report.total_params == 6_784_327_680
+
+
+def test_skewadam_state_is_exactly_published():
+  params = paper_params()
+  assert sj.optimizer_state_bytes(sj.skewadam(3e-4, weight_decay=0.1), params) == 1_380_800_000
+  report = sj.memory_report(params, sj.skewadam(3e-4))
+  by_tier = {t.tier: t.state_bytes for t in report.tiers}
+  assert by_tier['experts'] == 4 * 128 * 3 * (D + H)
+  assert by_tier['router'] == 4 * D * E
+  assert report.total_state_bytes == 1_380_800_000
+
+
+def test_adamw_state_is_eight_bytes_per_parameter():
+  # The published AdamW keeps fp32 m and v: 8 B per parameter.
+  params32 = jax.tree.map(lambda x: S(x.shape, F32), paper_params())
+  assert sj.optimizer_state_bytes(optax.adamw(3e-4), params32) == 54_274_621_440
+
+
+def test_adampm_stores_ceil_n_over_8_per_row():
+  params = {'w': S((5461, 2048), F32), 'v': S((2048, 5461), F32), 'b': S((5461,), F32)}
+  state = jax.eval_shape(sj.adampm(1e-3).init, params)[0]
+  assert state.nu['w'].shape == (5461, 256)
+  assert state.nu['v'].shape == (2048, 683)
+  assert state.nu['b'].shape == (683,)
+  m_and_v = sj.state_bytes(state)
+  assert m_and_v == 4 * (5461 * 2048 * 2 + 5461 + 5461 * 256 + 2048 * 683 + 683)
+
+
+def test_per_tier_attribution_of_any_optimizer():
+  params = {'moe': {'router': S((8, 4), F32), 'experts': {'w1': S((4, 8, 16), F32)}},
+            'embed': S((32, 8), F32)}
+  report = sj.memory_report(params, optax.adamw(1e-3))
+  by_tier = {t.tier: t.state_bytes for t in report.tiers}
+  assert by_tier == {'router': 2 * 4 * 32, 'experts': 2 * 4 * 512, 'backbone': 2 * 4 * 256}
+  text = report.format('adamw')
+  assert '| experts |' in text and '**total**' in text
+
+
+def test_state_bytes_skip_integer_counts():
+  state = sj.skewadam(1e-3).init({'w': jnp.zeros((3, 4))})
+  assert sj.state_bytes(state) == 4 * (12 + 3 + 4)
+  assert sj.tree_bytes(state, floating_only=False) == 4 * (12 + 3 + 4) + 4 * 3

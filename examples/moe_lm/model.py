@@ -127,18 +127,20 @@ PRESETS: dict[str, MoEConfig] = {
         vocab_size=50304, max_len=256, d_model=4096, n_heads=32, n_kv_heads=8,
         head_dim=128, d_ff=4096, n_layers=2, moe_every=2, n_experts=128, top_k=2,
         d_expert=4096, capacity_factor=2.0, param_dtype='bfloat16'),
-    # Unit tests: trains in seconds.
+    # Unit tests: trains in seconds; capacity T, so no token is ever dropped.
     'tiny': MoEConfig(
         vocab_size=256, max_len=32, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
-        d_ff=64, n_layers=2, n_experts=4, top_k=2, d_expert=64),
-    # Default of the CPU demo: about 2.2M parameters, 1.6M of them in experts.
+        d_ff=64, n_layers=2, n_experts=4, top_k=2, d_expert=64, capacity_factor=None),
+    # Default of the CPU demo: the paper's model scaled down with its ratios (one dense
+    # and one MoE block, d_ff = d_expert = d_model, experts ~90% of the parameters);
+    # 1.77M parameters.
     'small': MoEConfig(
         vocab_size=256, max_len=128, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32,
-        d_ff=512, n_layers=4, n_experts=8, top_k=2, d_expert=256),
-    # Longer CPU runs: about 21M parameters, 19M of them in experts.
+        d_ff=128, n_layers=2, n_experts=32, top_k=2, d_expert=128, capacity_factor=1.5),
+    # Longer CPU runs: four blocks (two MoE), 7.8M parameters, 91% of them in experts.
     'base': MoEConfig(
-        vocab_size=256, max_len=256, d_model=256, n_heads=8, n_kv_heads=2, head_dim=32,
-        d_ff=1024, n_layers=6, n_experts=16, top_k=2, d_expert=512),
+        vocab_size=256, max_len=128, d_model=192, n_heads=6, n_kv_heads=2, head_dim=32,
+        d_ff=192, n_layers=4, n_experts=32, top_k=2, d_expert=192, capacity_factor=1.5),
 }
 
 
@@ -318,7 +320,11 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
-  """Top-k routed SwiGLU experts with a noisy fp32 router and Switch/z auxiliary losses."""
+  """Top-k routed SwiGLU experts with a noisy fp32 router and Switch/z auxiliary losses.
+
+  The routing probabilities (and so the aux loss and `mean_prob`) come from the noisy
+  logits in training, as the routing itself does; the z-loss uses the clean logits.
+  """
 
   def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg

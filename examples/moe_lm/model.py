@@ -343,7 +343,8 @@ class MoE(nnx.Module):
 
     Args:
       x: input activations.
-      train: add router noise (N(0, router_noise_std^2)) to the logits.
+      train: add router noise (N(0, router_noise_std^2)) to the logits and apply the
+        expert capacity (tokens over it are dropped); evaluation is dropless.
       rngs: key, stream or `nnx.Rngs` for the noise; default: the layer's own stream.
 
     Returns:
@@ -361,7 +362,11 @@ class MoE(nnx.Module):
       noisy = logits + cfg.router_noise_std * jax.random.normal(key, logits.shape, jnp.float32)
     weights, indices, probs = route(noisy, cfg.top_k)
 
-    capacity = expert_capacity(n_tokens, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+    # Capacity (and so token dropping) applies in training only: evaluation is dropless,
+    # so that validation loss measures the model rather than the overflow of a few
+    # experts that the noise-free top-k choice favours.
+    capacity_factor = cfg.capacity_factor if train else None
+    capacity = expert_capacity(n_tokens, cfg.n_experts, cfg.top_k, capacity_factor)
     slot, keep = dispatch_slots(indices, cfg.n_experts, capacity)
     token_of_assignment = jnp.tile(jnp.arange(n_tokens, dtype=jnp.int32), cfg.top_k)
     # Empty slots point at an extra all-zero token row.

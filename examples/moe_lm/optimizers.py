@@ -1,0 +1,150 @@
+"""The optimizers the MoE example compares, built the same way for every one of them.
+
+`make_optimizer(name, ...)` returns `clip_by_global_norm(clip) -> <optimizer>` with a
+warmup + cosine learning-rate schedule. Names:
+
+* `skewadam`: the published tiers (backbone: momentum + factored v; experts: factored v
+  only; router: exact v, no weight decay).
+* `skewadam-expert-momentum`: the experts get fp32 momentum too (tier ablation).
+* `skewadam-factored-all`: momentum + factored second moment on every tier, router
+  included (the router keeps its no-decay rule).
+* `skewadam-adam-eps`: the published tiers with Adam's additive eps
+  (`eps_mode='adam'`) instead of the floor.
+* `adamw`, `adampm` (group size 8 along the last axis), `adafactor`
+  (`optax.adafactor` without momentum and without parameter scaling, so that its step
+  size is Adam-like), `lion` (`optax.lion`), `muon` (`optax.contrib.muon` on the
+  matrices of attention, dense MLPs and experts (per expert); Adam on embeddings,
+  norms and the router).
+
+Default learning rates (`DEFAULT_LR`): the published 3e-4 for the Adam family
+(SkewAdam and its ablations, AdamW, AdamPM, Adafactor); Lion conventionally 3-10x
+smaller (1e-4, with weight decay 3x larger so that lr * wd matches); Muon its
+conventional 0.02 for the orthogonalised matrices and 3e-4 (Adam) for the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import optax
+from optax import contrib
+
+import skewadam_jax as sj
+
+ADAM_LR = 3e-4
+OPTIMIZERS = (
+    'skewadam', 'adampm', 'adamw', 'adafactor', 'lion', 'muon',
+    'skewadam-expert-momentum', 'skewadam-factored-all', 'skewadam-adam-eps',
+)
+DEFAULT_LR = {
+    'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adamw': ADAM_LR, 'adafactor': ADAM_LR,
+    'lion': 1e-4, 'muon': 0.02, 'skewadam-expert-momentum': ADAM_LR,
+    'skewadam-factored-all': ADAM_LR, 'skewadam-adam-eps': ADAM_LR,
+}
+
+
+def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
+  """The tier policy of `skewadam` or one of its ablations."""
+  pub = dict(sj.PUBLISHED_TIERS)
+  if name == 'skewadam':
+    return pub
+  if name == 'skewadam-expert-momentum':
+    return dict(pub, experts=pub['experts'].replace(momentum=True))
+  if name == 'skewadam-factored-all':
+    return {k: t.replace(momentum=True, second_moment='factored') for k, t in pub.items()}
+  if name == 'skewadam-adam-eps':
+    return {k: t.replace(eps_mode='adam') for k, t in pub.items()}
+  raise KeyError(f'Not a SkewAdam variant: {name!r}.')
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+  """0 -> `peak` linearly over `warmup_steps`, then cosine to 0 at `total_steps`."""
+  warmup_steps = max(0, min(warmup_steps, total_steps - 1))
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps, max(total_steps, 1),
+                                            end_value=0.0)
+
+
+def _path_names(path: tuple[Any, ...]) -> list[str]:
+  names = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        names.append(str(getattr(k, attr)))
+        break
+    else:
+      names.append(str(k))
+  return names
+
+
+def muon_dimension_numbers(params: Any) -> Any:
+  """Which leaves Muon orthogonalises: dense matrices and (per expert) expert weights.
+
+  Embeddings (tied with the output head), positions, norms and the router return None,
+  i.e. they are trained by Muon's Adam branch, as is conventional.
+  """
+  labels = sj.moe_param_labels(params)
+  flat_labels = jax.tree_util.tree_structure(params).flatten_up_to(labels)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  out = []
+  for (path, p), label in zip(leaves, flat_labels):
+    names = _path_names(path)
+    if label == 'experts' and p.ndim == 3:
+      out.append(contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2))
+    elif label == 'backbone' and p.ndim == 2 and not any('embed' in n for n in names):
+      out.append(contrib.MuonDimensionNumbers())
+    else:
+      out.append(None)
+  return treedef.unflatten(out)
+
+
+def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
+                   total_steps: int, warmup_steps: int, weight_decay: float = 0.1,
+                   clip_norm: Optional[float] = 1.0, group_size: int = 8
+                   ) -> tuple[optax.GradientTransformation, dict[str, Any]]:
+  """Global-norm clip, then optimizer `name` with a warmup + cosine schedule.
+
+  Args:
+    name: one of `OPTIMIZERS`.
+    learning_rate: peak learning rate; None means `DEFAULT_LR[name]`.
+    total_steps: length of the schedule (cosine reaches 0 here).
+    warmup_steps: linear warmup steps.
+    weight_decay: decoupled weight decay (Lion: 3x, so that lr * wd matches Adam's at
+      its default lr; Muon: scaled so that lr * wd matches too; Adafactor: none).
+    clip_norm: global gradient-norm clip, None for none.
+    group_size: AdamPM group size.
+
+  Returns:
+    `(tx, info)`: the transformation and a dict of the hyperparameters used.
+  """
+  if name not in OPTIMIZERS:
+    raise KeyError(f'Unknown optimizer {name!r}; choose one of {OPTIMIZERS}.')
+  lr = DEFAULT_LR[name] if learning_rate is None else float(learning_rate)
+  schedule = warmup_cosine(lr, warmup_steps, total_steps)
+  info: dict[str, Any] = {'optimizer': name, 'lr': lr, 'warmup_steps': warmup_steps,
+                          'total_steps': total_steps, 'clip_norm': clip_norm}
+  if name.startswith('skewadam'):
+    tx = sj.skewadam(schedule, weight_decay=weight_decay, tiers=skewadam_tiers(name))
+    info['weight_decay'] = weight_decay
+  elif name == 'adamw':
+    tx = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    info['weight_decay'] = weight_decay
+  elif name == 'adampm':
+    tx = sj.adampm(schedule, weight_decay=weight_decay, group_size=group_size)
+    info.update(weight_decay=weight_decay, group_size=group_size)
+  elif name == 'adafactor':
+    tx = optax.adafactor(schedule, multiply_by_parameter_scale=False, clipping_threshold=1.0)
+    info['weight_decay'] = 0.0
+  elif name == 'lion':
+    tx = optax.lion(schedule, b1=0.9, b2=0.99, weight_decay=3 * weight_decay)
+    info['weight_decay'] = 3 * weight_decay
+  else:  # muon
+    muon_wd = weight_decay * ADAM_LR / lr
+    tx = contrib.muon(
+        schedule, weight_decay=muon_wd, adam_weight_decay=weight_decay,
+        adam_learning_rate=warmup_cosine(ADAM_LR, warmup_steps, total_steps),
+        muon_weight_dimension_numbers=muon_dimension_numbers)
+    info.update(weight_decay=muon_wd, adam_lr=ADAM_LR, adam_weight_decay=weight_decay)
+  if clip_norm is not None:
+    tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+  return tx, info

@@ -1,0 +1,137 @@
+"""Tests of the MoE example's training script (`examples/moe_lm/train.py`) and optimizers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+from examples.moe_lm import model as model_lib  # noqa: E402
+from examples.moe_lm import optimizers as opt_lib  # noqa: E402
+from examples.moe_lm import train as train_lib  # noqa: E402
+
+
+@pytest.fixture(scope='module')
+def tiny_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp('run')
+  result = train_lib.main([
+      '--preset', 'tiny', '--steps', '30', '--batch-size', '8', '--lr', '3e-3',
+      '--warmup', '3', '--eval-every', '15', '--eval-batches', '2', '--out', str(out)])
+  return result, out
+
+
+def test_short_run_lowers_the_loss(tiny_run):
+  result, _ = tiny_run
+  ce = result['history']['ce']
+  assert len(ce) == 30
+  # Starts near uniform over 256 bytes, ends at least 1 nat/byte lower.
+  assert abs(ce[0] - math.log(256)) < 0.1
+  assert np.mean(ce[-5:]) < ce[0] - 1.0
+  evals = result['evals']
+  assert [e['step'] for e in evals] == [15, 30]
+  assert evals[-1]['loss'] < evals[0]['loss'] < math.log(256) - 0.5
+  assert result['final']['bpb'] == pytest.approx(evals[-1]['loss'] / math.log(2))
+  assert result['final']['ppl'] == pytest.approx(math.exp(evals[-1]['loss']))
+
+
+def test_router_stats_are_fractions_with_the_switch_floor(tiny_run):
+  result, _ = tiny_run
+  cfg = model_lib.get_config('tiny')
+  frac = np.asarray(result['router']['token_frac'])
+  assert frac.shape == (cfg.n_moe_blocks, cfg.n_experts)
+  np.testing.assert_allclose(frac.sum(-1), 1.0, atol=1e-3)
+  assert result['router']['aux_floor'] == pytest.approx(cfg.aux_loss_coef * cfg.n_moe_blocks)
+  # The Switch loss never goes below its floor by more than rounding.
+  assert result['router']['aux_over_floor'] > 0.99
+
+
+def test_run_writes_table_png_and_json(tiny_run):
+  result, out = tiny_run
+  saved = json.loads((out / 'skewadam.json').read_text())
+  assert saved['final'] == pytest.approx(result['final'])
+  assert (out / 'skewadam.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  md = (out / 'skewadam.md').read_text()
+  for tier in ('backbone', 'experts', 'router'):
+    assert f'| {tier} |' in md
+
+
+def test_expert_state_is_factored_statistics_only(tiny_run):
+  # SkewAdam's experts keep only row + column statistics (fp32) per expert matrix.
+  result, _ = tiny_run
+  params = model_lib.abstract_params(model_lib.get_config('tiny'))
+  expected = sum(4 * int(np.prod(x.shape[:-2])) * (x.shape[-2] + x.shape[-1])
+                 for path, x in model_lib._param_leaves(params) if '/experts/' in path)
+  tiers = {t['tier']: t['state_bytes'] for t in result['memory']['tiers']}
+  assert tiers['experts'] == expected
+  assert tiers['router'] == 4 * model_lib.param_counts(params)['router']
+
+
+@pytest.fixture(scope='module')
+def tiny_model():
+  cfg = model_lib.get_config('tiny')
+  graphdef, params, rest = train_lib.init_model(cfg, 0)
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, cfg.max_len + 1)),
+                      jnp.int32)
+
+  @jax.jit
+  def loss_and_grad(p):
+    def loss(p):
+      return model_lib.loss_fn(nnx.merge(graphdef, p, rest), batch, False)[0]
+    return jax.value_and_grad(loss)(p)
+
+  return params, loss_and_grad
+
+
+@pytest.mark.parametrize('name', opt_lib.OPTIMIZERS)
+def test_every_optimizer_takes_a_descent_step(tiny_model, name):
+  params, loss_and_grad = tiny_model
+  tx, info = opt_lib.make_optimizer(name, total_steps=10, warmup_steps=0)
+  assert info['lr'] == opt_lib.DEFAULT_LR[name]
+  state = tx.init(params)
+  loss0, grads = loss_and_grad(params)
+  updates, state = tx.update(grads, state, params)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+  new = optax.apply_updates(params, updates)
+  loss1, _ = loss_and_grad(new)
+  assert float(loss1) < float(loss0)
+
+
+def test_ablations_change_exactly_their_tiers():
+  pub = opt_lib.skewadam_tiers('skewadam')
+  mom = opt_lib.skewadam_tiers('skewadam-expert-momentum')
+  assert mom['experts'].momentum and mom['backbone'] == pub['backbone']
+  assert mom['router'] == pub['router']
+  fac = opt_lib.skewadam_tiers('skewadam-factored-all')
+  assert all(t.momentum and t.second_moment == 'factored' for t in fac.values())
+  assert not fac['router'].weight_decay
+  eps = opt_lib.skewadam_tiers('skewadam-adam-eps')
+  assert {k: t.replace(eps_mode='floor') for k, t in eps.items()} == pub
+  assert all(t.eps_mode == 'adam' for t in eps.values())
+
+
+def test_muon_orthogonalises_matrices_and_experts_only():
+  params = model_lib.abstract_params(model_lib.get_config('tiny'))
+  dims = opt_lib.muon_dimension_numbers(params)
+  leaves = dict(model_lib._param_leaves(params))
+  chosen = {path: d for (path, _), d in zip(
+      model_lib._param_leaves(params),
+      jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(
+          x, optax.contrib.MuonDimensionNumbers)))}
+  assert set(chosen) == set(leaves)
+  for path, d in chosen.items():
+    if '/experts/' in path:
+      assert d == optax.contrib.MuonDimensionNumbers(1, 2)
+    elif 'embed' in path or 'router' in path or leaves[path].ndim < 2:
+      assert d is None, path
+    else:
+      assert d == optax.contrib.MuonDimensionNumbers(), path

@@ -1,0 +1,272 @@
+"""Bad input fails early with an error that names the argument and the allowed values.
+
+Static arguments are checked at construction, per-leaf ones (axes, dtypes, labels) at
+`init`. Numeric hyperparameters are checked only when they are concrete Python/NumPy
+numbers, so traced values (`optax.inject_hyperparams`, `jax.jit`) still pass.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import skewadam_jax as sj
+
+# Every public factory that takes b1, b2, eps positionally after its first argument.
+FACTORIES = {
+    'skewadam': lambda *a, **k: sj.skewadam(1e-3, *a, **k),
+    'adampm': lambda *a, **k: sj.adampm(1e-3, *a, **k),
+    'scale_by_tiered_adam': sj.scale_by_tiered_adam,
+    'scale_by_grouped_second_moment': sj.scale_by_grouped_second_moment,
+}
+PARAMS = {'embed': jnp.zeros((6, 4)),
+          'moe': {'router': jnp.zeros((4, 3)), 'experts': {'w1': jnp.zeros((3, 4, 5))}}}
+
+
+# ---------------------------------------------------------------------------------------
+# Decay rates and eps.
+
+
+@pytest.mark.parametrize('value', [1.0, -0.1, 1.5, float('nan'), np.float64(1.0)])
+@pytest.mark.parametrize('arg', ['b1', 'b2'])
+@pytest.mark.parametrize('name', tuple(FACTORIES))
+def test_betas_outside_unit_interval_are_rejected(name, arg, value):
+  with pytest.raises(ValueError, match=re.escape(f'`{arg}` must be in [0, 1)')):
+    FACTORIES[name](**{arg: value})
+
+
+@pytest.mark.parametrize('name', tuple(FACTORIES))
+def test_negative_eps_is_rejected(name):
+  with pytest.raises(ValueError, match=re.escape('`eps` must be >= 0, got -1e-08')):
+    FACTORIES[name](eps=-1e-8)
+
+
+@pytest.mark.parametrize('name', tuple(FACTORIES))
+def test_boundary_values_are_accepted(name):
+  tx = FACTORIES[name](b1=0.0, b2=0.0, eps=0.0)
+  tx.init(PARAMS)
+
+
+@pytest.mark.parametrize('name', ['scale_by_tiered_adam', 'scale_by_grouped_second_moment'])
+def test_traced_hyperparameters_are_not_checked(name):
+  """Arrays and tracers pass through unchecked: they may be injected or scheduled."""
+  g = jnp.ones((4, 8))
+
+  @jax.jit
+  def update(b1, b2, eps):
+    tx = FACTORIES[name](b1, b2, eps)
+    return tx.update(g, tx.init(g))[0]
+
+  u = update(0.9, 0.999, 1e-8)
+  assert bool(jnp.all(jnp.isfinite(u)))
+  FACTORIES[name](jnp.asarray(0.9), jnp.asarray(0.999), jnp.asarray(1e-8))
+
+
+# ---------------------------------------------------------------------------------------
+# Group size, axes, dtypes.
+
+GROUP_SIZE_FACTORIES = {
+    'adampm': lambda gs: sj.adampm(1e-3, group_size=gs),
+    'scale_by_grouped_second_moment': lambda gs: sj.scale_by_grouped_second_moment(
+        group_size=gs),
+    'Tier': lambda gs: sj.Tier(second_moment='grouped', group_size=gs),
+}
+
+
+@pytest.mark.parametrize('value', [0, -3])
+@pytest.mark.parametrize('name', tuple(GROUP_SIZE_FACTORIES))
+def test_group_size_below_one_is_a_value_error(name, value):
+  with pytest.raises(ValueError, match=re.escape(
+      f'`group_size` must be a positive int (>= 1), got {value}')):
+    GROUP_SIZE_FACTORIES[name](value)
+
+
+@pytest.mark.parametrize('value', [2.0, '8', True, None])
+@pytest.mark.parametrize('name', tuple(GROUP_SIZE_FACTORIES))
+def test_group_size_not_an_int_is_a_type_error(name, value):
+  with pytest.raises(TypeError, match=r'`group_size` must be a positive Python int'):
+    GROUP_SIZE_FACTORIES[name](value)
+
+
+def test_group_size_array_error_says_to_make_it_static():
+  with pytest.raises(TypeError, match=r"`group_size` must be a static positive Python "
+                                      r"int.*static_args=\('group_size'"):
+    sj.adampm(1e-3, group_size=jnp.asarray(8))
+
+
+def test_axis_out_of_range_names_the_leaf_and_the_allowed_axes():
+  tx = sj.adampm(1e-3, axis=2)
+  with pytest.raises(ValueError, match=re.escape(
+      '`axis`=2 is out of range for parameter moe/router with 2 dimensions; allowed '
+      'values are -2..1')):
+    tx.init({'moe': {'router': jnp.zeros((4, 3))}})
+
+
+def test_group_axis_out_of_range_names_the_tier_option():
+  tx = sj.scale_by_tiered_adam(tier=sj.Tier(second_moment='grouped', group_axis=-4))
+  with pytest.raises(ValueError, match=re.escape(
+      '`group_axis`=-4 is out of range for parameter moe/experts/w1 with 3 dimensions; '
+      'allowed values are -3..2')):
+    tx.init({'moe': {'experts': {'w1': jnp.zeros((3, 4, 5))}}})
+
+
+def test_axis_is_ignored_for_leaves_with_fewer_than_two_dimensions():
+  """1-D leaves are pooled along their only axis, 0-d leaves not at all."""
+  tx = sj.adampm(1e-3, group_size=4, axis=5)
+  state = tx.init({'bias': jnp.zeros((10,)), 'scale': jnp.zeros(())})
+  nu = optax.tree_utils.tree_get(state, 'nu')
+  assert nu['bias'].shape == (3,) and nu['scale'].shape == ()
+
+
+@pytest.mark.parametrize('value', [1.5, 'last', None])
+def test_axis_not_an_int_is_a_type_error(value):
+  with pytest.raises(TypeError, match=r'`axis` must be a Python int'):
+    sj.adampm(1e-3, axis=value)
+  with pytest.raises(TypeError, match=r'`group_axis` must be a Python int'):
+    sj.Tier(group_axis=value)
+
+
+@pytest.mark.parametrize('value', [jnp.int32, 'int8', 'bool'])
+def test_non_floating_state_dtype_is_rejected(value):
+  with pytest.raises(TypeError, match=r'`mu_dtype` must be a floating dtype'):
+    sj.adampm(1e-3, mu_dtype=value)
+  with pytest.raises(TypeError, match=r'`nu_dtype` must be a floating dtype'):
+    sj.scale_by_grouped_second_moment(nu_dtype=value)
+  with pytest.raises(TypeError, match=r'`mu_dtype` must be a floating dtype'):
+    sj.Tier(mu_dtype=value)
+
+
+def test_unknown_dtype_name_is_rejected():
+  with pytest.raises(TypeError, match=r'`mu_dtype` must be a floating dtype.*got '
+                                      r"'floaty'"):
+    sj.adampm(1e-3, mu_dtype='floaty')
+
+
+# ---------------------------------------------------------------------------------------
+# Tier options.
+
+
+@pytest.mark.parametrize('value', [0, 0.0, -1.0])
+def test_clip_threshold_must_be_positive(value):
+  with pytest.raises(ValueError, match=r'`clip_threshold` must be a positive float or None'):
+    sj.Tier(clip_threshold=value)
+  with pytest.raises(ValueError, match=r'`clip_threshold` must be a positive float or None'):
+    sj.scale_by_tiered_adam(clip_threshold=value)
+
+
+def test_clip_threshold_not_a_number_is_a_type_error():
+  with pytest.raises(TypeError, match=r'`clip_threshold` must be a positive float or None'):
+    sj.Tier(clip_threshold='1.0')
+
+
+def test_unknown_second_moment_lists_the_allowed_kinds():
+  with pytest.raises(ValueError, match=re.escape(
+      "`second_moment` must be one of ('exact', 'factored', 'grouped'), got 'adafactor'")):
+    sj.Tier(second_moment='adafactor')
+  with pytest.raises(ValueError, match=r'`second_moment` must be one of'):
+    sj.scale_by_tiered_adam(second_moment='full')
+
+
+def test_unknown_eps_mode_lists_the_allowed_modes():
+  with pytest.raises(ValueError, match=re.escape(
+      "`eps_mode` must be one of ('floor', 'adam'), got 'additive'")):
+    sj.Tier(eps_mode='additive')
+
+
+@pytest.mark.parametrize('field', ['momentum', 'weight_decay'])
+def test_bool_tier_options_must_be_bools(field):
+  with pytest.raises(TypeError, match=rf'`{field}` must be a bool'):
+    sj.Tier(**{field: 1})
+
+
+def test_tiers_must_map_names_to_tiers():
+  with pytest.raises(TypeError, match=r'`tiers` must be a non-empty mapping'):
+    sj.skewadam(1e-3, tiers={})
+  with pytest.raises(TypeError, match=r"`tiers\['experts'\]` must be a skewadam_jax.Tier"):
+    sj.skewadam(1e-3, tiers={'backbone': sj.Tier(), 'experts': {'momentum': False}})
+  with pytest.raises(TypeError, match=r'`tier` must be a skewadam_jax.Tier'):
+    sj.scale_by_tiered_adam(tier={'momentum': False})
+
+
+# ---------------------------------------------------------------------------------------
+# Labels.
+
+
+def test_label_naming_no_tier_lists_the_tier_names():
+  labels = {'embed': 'backbone', 'moe': {'router': 'router', 'experts': {'w1': 'expert'}}}
+  tx = sj.skewadam(1e-3, param_labels=labels)
+  with pytest.raises(ValueError, match=re.escape(
+      "`param_labels` names tiers [\"'expert'\"] that are not in `tiers`; allowed tier "
+      "names are ['backbone', 'experts', 'router']")):
+    tx.init(PARAMS)
+
+
+def test_labeler_function_naming_no_tier_is_rejected():
+  tx = sj.skewadam(1e-3, param_labels=lambda p: jax.tree.map(lambda _: 'dense', p))
+  with pytest.raises(ValueError, match=r"names tiers .*'dense'.* allowed tier names are"):
+    tx.init(PARAMS)
+
+
+def test_label_tree_that_does_not_match_the_params_is_rejected():
+  labels = {'embed': 'backbone', 'moe': {'router': 'router', 'expertz': 'experts'}}
+  tx = sj.skewadam(1e-3, param_labels=labels)
+  with pytest.raises(ValueError, match=r'`param_labels` must be a pytree with the same '
+                                       r'structure as the params'):
+    tx.init(PARAMS)
+
+
+def test_label_tree_prefix_is_accepted():
+  labels = {'embed': 'backbone', 'moe': {'router': 'router', 'experts': 'experts'}}
+  state = sj.skewadam(1e-3, param_labels=labels).init(PARAMS)
+  inner = optax.tree_utils.tree_get(state, 'inner_states')
+  assert optax.tree_utils.tree_get(inner['experts'], 'v_row')['moe']['experts']['w1'].shape \
+      == (3, 4)
+
+
+# ---------------------------------------------------------------------------------------
+# Leaf dtypes: complex and integer parameters.
+
+ALL = {
+    'skewadam': lambda: sj.skewadam(1e-3),
+    'adampm': lambda: sj.adampm(1e-3),
+    'scale_by_tiered_adam': sj.scale_by_tiered_adam,
+    'scale_by_grouped_second_moment': sj.scale_by_grouped_second_moment,
+}
+
+
+@pytest.mark.parametrize('name', tuple(ALL))
+def test_complex_parameters_are_rejected_with_the_path(name):
+  params = {'embed': jnp.zeros((6, 4)), 'phase': {'kernel': jnp.zeros((4, 4), jnp.complex64)}}
+  with pytest.raises(TypeError, match=r'parameter phase/kernel has complex dtype complex64; '
+                                      r'only real floating parameters are supported'):
+    ALL[name]().init(params)
+
+
+@pytest.mark.parametrize('name', tuple(ALL))
+def test_unmasked_integer_parameters_are_rejected_with_a_hint(name):
+  params = {'embed': jnp.zeros((6, 4)), 'step': jnp.zeros((), jnp.int32)}
+  with pytest.raises(TypeError, match=r'parameter step has non-floating dtype int32; mask '
+                                      r'integer or boolean leaves out'):
+    ALL[name]().init(params)
+
+
+@pytest.mark.parametrize('name', ['skewadam', 'adampm'])
+def test_masked_integer_parameters_pass_through(name):
+  params = {'embed': jnp.ones((6, 4)), 'moe': {'router': jnp.ones((4, 3))},
+            'step': jnp.asarray(7, jnp.int32), 'ids': jnp.arange(5)}
+  is_float = lambda p: jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.floating), p)
+  tx = optax.masked(ALL[name](), is_float)
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  grads['step'] = jnp.zeros((), jnp.int32)
+  grads['ids'] = jnp.zeros(5, jnp.int32)
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  assert new['step'].dtype == jnp.int32 and int(new['step']) == 7
+  np.testing.assert_array_equal(new['ids'], np.arange(5))
+  assert float(jnp.max(jnp.abs(new['embed'] - params['embed']))) > 0

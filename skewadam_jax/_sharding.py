@@ -89,6 +89,8 @@ def _leaf_spec(rule: str, path: str, param_shape: tuple[int, ...], param_spec: A
                leaf: Any, mesh: Optional[Mesh]) -> PartitionSpec:
   """The spec of one state leaf that follows a parameter, from the axes it keeps."""
   shape = tuple(leaf.shape)
+  if shape == param_shape and rule in (SAME, INFER):
+    return param_spec if isinstance(param_spec, PartitionSpec) else PartitionSpec()
   spec = _padded(param_spec, len(param_shape))
   if rule == DROP_LAST and shape == param_shape[:-1]:
     return PartitionSpec(*spec[:-1])
@@ -107,8 +109,9 @@ def _leaf_spec(rule: str, path: str, param_shape: tuple[int, ...], param_spec: A
 
 
 def _replicated(leaf: Any) -> PartitionSpec:
-  """The fully replicated spec of an array-like leaf."""
-  return PartitionSpec(*(None,) * len(np.shape(leaf)))
+  """The fully replicated spec (of any leaf)."""
+  del leaf
+  return PartitionSpec()
 
 
 class _Mapper:
@@ -245,7 +248,7 @@ def state_shardings(
     >>> specs = {'experts': {'w1': P('expert', None, 'data')}}
     >>> shardings = sj.state_shardings(sj.skewadam(1e-3), params, specs)
     >>> shardings[0].inner_states['experts'].inner_state.v_row['experts']['w1']
-    PartitionSpec('expert', None)
+    P('expert', None)
   """
   specs, named_mesh = _flat_param_specs(params, param_shardings)
   mesh = mesh if mesh is not None else named_mesh

@@ -13,10 +13,9 @@ Learning rates, and why (tuning effort):
   * Lion: 1e-4 (the conventional 3-10x below Adam's) with 3x the weight decay.
   * Muon: its conventional 0.02 on matrices, Adam at 3e-4 on embeddings/norms/router.
 
-  python benchmarks/quality.py                # 12 runs x 200 steps; ~3-6 min per run on the
-                                              # loaded 2-core machine (est. 15-20 min idle)
+  python benchmarks/quality.py                # 12 runs x 300 steps (about 25 min on 2 cores)
   python benchmarks/quality.py --scale 4      # 4x the steps
-  python benchmarks/quality.py --long         # SkewAdam, AdamW (3e-4, best), AdamPM, ~2 h
+  python benchmarks/quality.py --long         # SkewAdam, AdamW (3e-4, best), AdamPM, ~1 h
   python benchmarks/quality.py --only skewadam adamw@0.0003
 
 Writes `quality.json`, `quality.png` (validation loss against step) and `quality.md`
@@ -66,14 +65,14 @@ LONG_RUNS = (
 def parse_args() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--preset', default='small')
-  p.add_argument('--steps', type=int, default=200)
+  p.add_argument('--steps', type=int, default=300)
   p.add_argument('--batch-size', type=int, default=16)
   p.add_argument('--warmup-frac', type=float, default=0.1)
-  p.add_argument('--eval-every', type=int, default=40)
+  p.add_argument('--eval-every', type=int, default=50)
   p.add_argument('--eval-batches', type=int, default=8)
   p.add_argument('--scale', type=float, default=1.0, help='multiply steps (and eval spacing)')
   p.add_argument('--long', action='store_true',
-                 help='SkewAdam, AdamW (3e-4 and 1e-3), AdamPM for 5000 steps (~2 h)')
+                 help='SkewAdam, AdamW (3e-4 and 1e-3), AdamPM for 3000 steps (~1 h)')
   p.add_argument('--only', nargs='+', default=None, help='run labels to keep')
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--out', default='runs/quality')
@@ -85,7 +84,7 @@ def main() -> None:
   runs = LONG_RUNS if args.long else DEFAULT_RUNS
   steps, eval_every = args.steps, args.eval_every
   if args.long:
-    steps, eval_every = 5000, 250
+    steps, eval_every = 3000, 200
   steps = int(round(steps * args.scale))
   eval_every = max(1, int(round(eval_every * args.scale)))
   if args.only:

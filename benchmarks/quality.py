@@ -15,7 +15,7 @@ Learning rates, and why (tuning effort):
 
   python benchmarks/quality.py                # 12 runs x 300 steps (about 25 min on 2 cores)
   python benchmarks/quality.py --scale 4      # 4x the steps
-  python benchmarks/quality.py --long         # SkewAdam, AdamW (3e-4, best), AdamPM, ~1 h
+  python benchmarks/quality.py --long         # SkewAdam, AdamW (3e-4, best), AdamPM, ~45 min
   python benchmarks/quality.py --only skewadam adamw@0.0003
 
 Writes `quality.json`, `quality.png` (validation loss against step) and `quality.md`
@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
   p.add_argument('--eval-batches', type=int, default=8)
   p.add_argument('--scale', type=float, default=1.0, help='multiply steps (and eval spacing)')
   p.add_argument('--long', action='store_true',
-                 help='SkewAdam, AdamW (3e-4 and 1e-3), AdamPM for 3000 steps (~1 h)')
+                 help='SkewAdam, AdamW (3e-4 and 1e-3), AdamPM for 2000 steps (~45 min)')
   p.add_argument('--only', nargs='+', default=None, help='run labels to keep')
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--out', default='runs/quality')
@@ -84,7 +84,7 @@ def main() -> None:
   runs = LONG_RUNS if args.long else DEFAULT_RUNS
   steps, eval_every = args.steps, args.eval_every
   if args.long:
-    steps, eval_every = 3000, 200
+    steps, eval_every = 2000, 125
   steps = int(round(steps * args.scale))
   eval_every = max(1, int(round(eval_every * args.scale)))
   if args.only:

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from skewadam_jax import _checks
@@ -98,15 +99,6 @@ def _sharded_spec(x: Any) -> Any:
   return spec + (None,) * (x.ndim - len(spec))
 
 
-def _groupmean_sharded(x: jax.Array, group_size: int, axis: int) -> jax.Array:
-  """`groupmean` along an Explicit-sharded axis whose shards hold whole groups."""
-  spec = _sharded_spec(x)
-  n = x.shape[axis]
-  split = x.shape[:axis] + (n // group_size, group_size) + x.shape[axis + 1:]
-  out_spec = jax.P(*spec[:axis], spec[axis], None, *spec[axis + 1:])
-  return jnp.mean(jax.lax.reshape(x, split, out_sharding=out_spec), axis=axis + 1)
-
-
 def _expand_groups_sharded(nu: jax.Array, group_size: int, axis: int) -> jax.Array:
   """`expand_groups` along an Explicit-sharded axis: broadcast + shard-local reshape."""
   spec = _sharded_spec(nu)
@@ -116,11 +108,23 @@ def _expand_groups_sharded(nu: jax.Array, group_size: int, axis: int) -> jax.Arr
   return jax.lax.reshape(full, shape, out_sharding=jax.P(*spec))
 
 
+# Group sizes up to this are pooled with one unrolled sum of `group_size` slices, which
+# XLA:CPU fuses into a single loop over the pooled output; a reduction over a minor axis
+# of a few elements is several times slower there (it goes through a generic reduce).
+_UNROLLED_MAX_GROUP = 32
+
+
 def groupmean(x: jax.Array, group_size: int, axis: Optional[int]) -> jax.Array:
   """Mean over consecutive runs of `group_size` elements along `axis`.
 
   A short last group is averaged over its real elements only, which equals padding
   it with its own mean.
+
+  The sum runs over `group_size` interleaved slices (element `i` of every group, for
+  each `i`), so the pooled array is produced by one fused loop that reads `x` once and
+  allocates nothing of `x`'s size. When the axis divides evenly the slices are taken
+  from a reshape `[..., n / s, s, ...]`, which keeps the sharding of `axis` on the
+  group axis.
 
   Args:
     x: array to pool.
@@ -132,8 +136,38 @@ def groupmean(x: jax.Array, group_size: int, axis: Optional[int]) -> jax.Array:
   """
   if axis is None or group_size == 1:
     return x
-  if check_whole_groups(x, group_size, axis) > 1:
-    return _groupmean_sharded(x, group_size, axis)
+  # On an Explicit-sharded axis the reshape below stays shard-local (no out_sharding
+  # needed) as long as every shard holds whole groups; otherwise raise a clear error.
+  check_whole_groups(x, group_size, axis)
+  n = x.shape[axis]
+  k = num_groups(n, group_size)
+  if group_size > _UNROLLED_MAX_GROUP:
+    return _groupmean_by_reduce(x, group_size, axis)
+  if n % group_size == 0:
+    grouped = x.reshape(x.shape[:axis] + (k, group_size) + x.shape[axis + 1:])
+    parts = [jax.lax.index_in_dim(grouped, i, axis + 1, keepdims=False)
+             for i in range(group_size)]
+  else:
+    parts = []
+    for i in range(min(group_size, n)):
+      part = jax.lax.slice_in_dim(x, i, n, stride=group_size, axis=axis)
+      if part.shape[axis] < k:  # element i of the short last group does not exist
+        padding = [(0, 0, 0)] * x.ndim
+        padding[axis] = (0, k - part.shape[axis], 0)
+        part = jax.lax.pad(part, jnp.zeros((), x.dtype), padding)
+      parts.append(part)
+  total = parts[0]
+  for part in parts[1:]:
+    total = total + part
+  if n % group_size == 0:
+    return total / group_size
+  counts = np.minimum(n - group_size * np.arange(k), group_size).astype(np.float32)
+  counts = counts.reshape((k,) + (1,) * (x.ndim - axis - 1))
+  return total / jnp.asarray(counts, total.dtype)
+
+
+def _groupmean_by_reduce(x: jax.Array, group_size: int, axis: int) -> jax.Array:
+  """`groupmean` as a reshape and mean (for large groups): full groups, then the tail."""
   n = x.shape[axis]
   full = (n // group_size) * group_size
   pieces = []
@@ -253,8 +287,13 @@ def scale_by_grouped_second_moment(
     for (path, g), mu, nu in zip(leaves, mus, nus):
       ax = leaf_axis(path, g)
       g32 = g.astype(jnp.float32)
+      # The update reads the stored (cast) moments, so that the final fused pass
+      # consumes the new state instead of recomputing it from the old one (which would
+      # make XLA keep a copy of the old state, and re-pool g^2 per element). With
+      # float32 state (the default for float32 parameters) the casts are no-ops.
       mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32).astype(mu.dtype)
-      nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * groupmean(g32 * g32, group_size, ax)
+      nu32 = (b2 * nu.astype(jnp.float32) + (1.0 - b2) * groupmean(g32 * g32, group_size, ax)
+              ).astype(nu.dtype).astype(jnp.float32)
       n = g.shape[ax] if ax is not None else 1
       denom = jnp.sqrt(expand_groups(nu32 / bc2, group_size, ax, n)) + eps
       u = (mu.astype(jnp.float32) / bc1) / denom

@@ -10,10 +10,12 @@ expert bank only a factored second moment per expert, the router an exact one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from skewadam_jax import _checks
@@ -76,7 +78,7 @@ class Tier:
     if not isinstance(self.weight_decay, bool):
       raise TypeError(f'`weight_decay` must be a bool, got {self.weight_decay!r}.')
 
-  def replace(self, **changes: Any) -> 'Tier':
+  def replace(self, **changes: Any) -> Tier:
     """A copy of this tier with some options changed."""
     return dataclasses.replace(self, **changes)
 
@@ -106,13 +108,57 @@ def leaf_kind(shape: tuple[int, ...], tier: Tier) -> str:
   return 'exact'
 
 
-def _rms_clip(u: jax.Array, clip: Optional[float]) -> jax.Array:
-  """`u / max(1, rms(u) / clip)`, rms over the last two axes (whole leaf if ndim < 2)."""
-  if clip is None:
-    return u
-  axes = (-2, -1) if u.ndim >= 2 else None
-  rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=u.ndim >= 2))
-  return u / jnp.maximum(1.0, rms / clip)
+def _clip_divisor(u_of: Any, operands: tuple[Any, ...], ndim: int, clip: float
+                  ) -> jax.Array:
+  """`max(1, rms(u) / clip)`, rms over the last two axes (the whole leaf if ndim < 2).
+
+  `u = u_of(*operands)` is recomputed inside the reduction from operands passed through
+  an optimisation barrier: without it XLA:CPU materialises the full-size `u` that feeds
+  both this reduction and the final elementwise pass. Scalars that `u_of` uses must be
+  operands too, or XLA materialises their full-size broadcast, shared by both passes.
+  """
+  u = u_of(*jax.lax.optimization_barrier(operands))
+  axes = (-2, -1) if ndim >= 2 else None
+  rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=ndim >= 2))
+  return jnp.maximum(1.0, rms / clip)
+
+
+def _grouped_clip_divisor(pooled_sq: jax.Array, denom: jax.Array, num_scale: Any,
+                          shape: tuple[int, ...], axis: int, tier: Tier, clip: float
+                          ) -> jax.Array:
+  """`max(1, rms(u) / clip)` of `u = g * num_scale / expand(denom)` from pooled arrays.
+
+  `pooled_sq` is the group mean of `g^2`, so `pooled_sq * count` is the group's sum of
+  squares; no pass over the full-size leaf is needed.
+  """
+  n = shape[axis]
+  counts = np.minimum(n - tier.group_size * np.arange(denom.shape[axis]), tier.group_size)
+  counts = counts.astype(np.float32).reshape((-1,) + (1,) * (len(shape) - axis - 1))
+  terms = pooled_sq * jnp.asarray(counts) * jnp.square(num_scale / denom)
+  axes = (-2, -1) if len(shape) >= 2 else None
+  size = shape[-2] * shape[-1] if len(shape) >= 2 else max(int(np.prod(shape)), 1)
+  rms = jnp.sqrt(jnp.sum(terms, axis=axes, keepdims=len(shape) >= 2) / size)
+  return jnp.maximum(1.0, rms / clip)
+
+
+def _grouped_clip_divisor_by_reshape(x: jax.Array, denom: jax.Array, num_scale: Any,
+                                     shape: tuple[int, ...], axis: int, tier: Tier,
+                                     clip: float) -> jax.Array:
+  """`max(1, rms(u) / clip)` of `u = x * num_scale / expand(denom)`, when groups divide.
+
+  The expansion is a broadcast over a reshape `[..., n / s, s, ...]`, which XLA keeps
+  inside the reduction, so nothing of the leaf's size is materialised.
+  """
+  x, denom, num_scale = jax.lax.optimization_barrier((x, denom, num_scale))
+  n, s = shape[axis], tier.group_size
+  grouped = x.reshape(shape[:axis] + (n // s, s) + shape[axis + 1:]).astype(jnp.float32)
+  u = grouped * num_scale / jnp.expand_dims(denom, axis + 1)
+  if len(shape) >= 2:
+    ms = jnp.sum(u * u, axis=(-3, -2, -1)) / (shape[-2] * shape[-1])
+    ms = ms.reshape(shape[:-2] + (1, 1))
+  else:
+    ms = jnp.mean(u * u)
+  return jnp.maximum(1.0, jnp.sqrt(ms) / clip)
 
 
 def scale_by_tiered_adam(
@@ -199,47 +245,81 @@ def scale_by_tiered_adam(
     return TieredAdamState(jnp.zeros([], jnp.int32), *trees)
 
   def update_leaf(path, g, mu, v_row, v_col, v, bc1, bc2):
+    # Every full-size array below is either an input, a state output or computed inside
+    # the one fused pass that also applies the update: statistics come from reductions
+    # over the stored arrays, and nothing of the leaf's size is materialised in between.
     shape = tuple(g.shape)
     kind = leaf_kind(shape, tier)
+    clip = tier.clip_threshold
     g32 = g.astype(jnp.float32)
+    if tier.momentum:
+      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32).astype(mu.dtype)
+      src = mu  # the stored (cast) momentum: no defensive copy of the uncast one
+      num_scale = 1.0 / bc1
+    else:
+      src = g
+      num_scale = 1.0
+    if floor:
+      num_scale = num_scale * jnp.sqrt(bc2)
+    num_scale = jnp.asarray(num_scale, jnp.float32)
+    eps32 = jnp.asarray(eps, jnp.float32)
+
     if kind == 'factored':
       row_mean, col_mean = _factored.row_col_means(g)
       v_row = b2 * v_row + (1.0 - b2) * row_mean
       v_col = b2 * v_col + (1.0 - b2) * col_mean
       rows = _factored.normalised_rows(v_row)
       if floor:
-        row_d = jnp.sqrt(jnp.maximum(rows, eps))[..., :, None]
-        col_d = jnp.sqrt(jnp.maximum(v_col, eps))[..., None, :]
-      else:
-        row_d = jnp.sqrt(rows)[..., :, None]
-        col_d = jnp.sqrt(v_col / bc2)[..., None, :]
+        # u = num * a_i * b_j is separable: the clip needs only sum_j (num * b_j)^2 per
+        # row, and the final pass only multiplies by per-row and per-column factors.
+        col_inv = jax.lax.rsqrt(jnp.maximum(v_col, eps))
+        row_scale = num_scale * jax.lax.rsqrt(jnp.maximum(rows, eps))
+        if clip is not None:
+          sumsq = _factored.scaled_row_sumsq(src, col_inv)
+          ms = (jnp.sum(sumsq * jnp.square(row_scale), axis=-1, keepdims=True)
+                / (shape[-2] * shape[-1]))
+          row_scale = row_scale / jnp.maximum(1.0, jnp.sqrt(ms) / clip)
+        u = src.astype(jnp.float32) * row_scale[..., :, None] * col_inv[..., None, :]
+        return u.astype(g.dtype), mu, v_row, v_col, v
+      operands = (src, jnp.sqrt(rows)[..., :, None], jnp.sqrt(v_col / bc2)[..., None, :],
+                  num_scale, eps32)
+
+      def u_of(x, row_d, col_d, scale, eps_):
+        return x.astype(jnp.float32) * scale / (row_d * col_d + eps_)
     elif kind == 'grouped':
       ax = grouped_axis(path, shape)
-      v = b2 * v + (1.0 - b2) * _grouped.groupmean(g32 * g32, tier.group_size, ax)
-      full = _grouped.expand_groups(v, tier.group_size, ax, shape[ax])
+      pooled_sq = _grouped.groupmean(g32 * g32, tier.group_size, ax)
+      v = b2 * v + (1.0 - b2) * pooled_sq
+      # The denominator at the pooled resolution, expanded inside the final pass.
+      denom = jnp.sqrt(jnp.maximum(v, eps)) if floor else jnp.sqrt(v / bc2) + eps
+      expand = functools.partial(_grouped.expand_groups, group_size=tier.group_size,
+                                 axis=ax, n=shape[ax])
+      u = src.astype(jnp.float32) * num_scale / expand(denom)
+      if clip is not None:
+        inside = len(shape) < 2 or ax >= len(shape) - 2  # groups lie inside one matrix
+        if inside and not tier.momentum:
+          # sum(u^2) = sum over groups of num_scale^2 * (sum of g^2 in the group) /
+          # denom^2: the statistic itself gives it, no pass over the leaf is needed.
+          u = u / _grouped_clip_divisor(pooled_sq, denom, num_scale, shape, ax, tier, clip)
+        elif inside and shape[ax] % tier.group_size == 0:
+          u = u / _grouped_clip_divisor_by_reshape(src, denom, num_scale, shape, ax, tier,
+                                                   clip)
+        else:  # u recomputed in the reduction (expand is a gather there: full-size temp)
+          u = u / _clip_divisor(lambda x, d, scale: x.astype(jnp.float32) * scale / expand(d),
+                                (src, denom, num_scale), len(shape), clip)
+      return u.astype(g.dtype), mu, v_row, v_col, v
     else:
       v = b2 * v + (1.0 - b2) * g32 * g32
-      full = v
+      operands = (src, v, num_scale, eps32, bc2)
 
-    if tier.momentum:
-      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32).astype(mu.dtype)
-      num = mu.astype(jnp.float32)  # the stored (cast) momentum: no defensive copy
-      num_scale = 1.0 / bc1
-    else:
-      num = g32
-      num_scale = 1.0
-    if floor:
-      num_scale = num_scale * jnp.sqrt(bc2)
-      if kind == 'factored':
-        u = num * num_scale / row_d / col_d
-      else:
-        u = num * num_scale / jnp.sqrt(jnp.maximum(full, eps))
-    else:
-      if kind == 'factored':
-        u = num * num_scale / (row_d * col_d + eps)
-      else:
-        u = num * num_scale / (jnp.sqrt(full / bc2) + eps)
-    u = _rms_clip(u, tier.clip_threshold)
+      def u_of(x, v_, scale, eps_, bc2_):
+        if floor:
+          return x.astype(jnp.float32) * scale / jnp.sqrt(jnp.maximum(v_, eps_))
+        return x.astype(jnp.float32) * scale / (jnp.sqrt(v_ / bc2_) + eps_)
+
+    u = u_of(*operands)
+    if clip is not None:
+      u = u / _clip_divisor(u_of, operands, len(shape), clip)
     return u.astype(g.dtype), mu, v_row, v_col, v
 
   def update_fn(updates, state, params=None, **extra_args):

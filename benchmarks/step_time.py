@@ -1,0 +1,319 @@
+"""Optimizer step time: update + apply, jitted with params and state donated.
+
+Every optimizer runs on the same MoE-shaped parameter tree, in interleaved rounds in
+one process (round r times each optimizer once, in a rotating order, each timed call
+right after an untimed call of the same step), so that load from other processes hits
+all of them alike; the reported ratio is the median over rounds of
+`time(opt) / time(optax.adamw)` in the same round. An optimizer step is
+memory-bound, so beside the time we report XLA's own bytes accessed per parameter
+(`compiled.cost_analysis()`), the achieved bandwidth (those bytes / median time)
+against a plain copy kernel timed in the same rounds, and XLA's temporary buffer
+(`compiled.memory_analysis().temp_size_in_bytes`).
+
+The tree is the published 6.78B model (examples/moe_lm, `paper-6.78b`) with every
+width divided by 8 (d_model, d_ff, d_expert 512; 32 query / 8 KV heads of 16) and
+everything else kept (vocabulary 50,304, 128 experts, one dense and one MoE block):
+128.7M parameters, 78% of them in the expert bank. Gradients are random normals.
+
+  python benchmarks/step_time.py                 # all cores, float32, 15 rounds
+  taskset -c 0 python benchmarks/step_time.py    # pinned to one core
+  python benchmarks/step_time.py --dtype bfloat16 --rounds 25
+
+Writes results/step_time_<N>core_<dtype>.{json,md,png} under benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+from typing import Any, Callable
+
+import _common  # noqa: F401  (puts the repo root on sys.path)
+from _common import RESULTS
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import skewadam_jax as sj
+from examples.moe_lm.model import abstract_params, get_config
+
+LR = 1e-3
+WD = 0.1
+
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    'adamw': lambda: optax.adamw(LR, weight_decay=WD),
+    'adafactor': lambda: optax.adafactor(LR),
+    'skewadam': lambda: sj.skewadam(LR, weight_decay=WD),
+    'adampm': lambda: sj.adampm(LR, weight_decay=WD, group_size=8),
+}
+LABELS = {
+    'copy': 'copy kernel (p -> -p, donated)',
+    'adamw': 'optax.adamw',
+    'adafactor': 'optax.adafactor',
+    'skewadam': 'SkewAdam (published tiers)',
+    'adampm': 'AdamPM (s = 8)',
+}
+
+
+def moe_config(dtype: str):
+  """The 6.78B configuration with every width divided by 8 (128.7M parameters)."""
+  return get_config('paper-6.78b', d_model=512, n_heads=32, n_kv_heads=8, head_dim=16,
+                    d_ff=512, d_expert=512, param_dtype=dtype)
+
+
+def make_tree(dtype: str, seed: int) -> tuple[Any, Any]:
+  """Concrete (params, grads) of the MoE-shaped tree as plain nested dicts."""
+  abstract = abstract_params(moe_config(dtype)).to_pure_dict()
+  leaves, treedef = jax.tree.flatten(abstract)
+  keys = jax.random.split(jax.random.key(seed), 2 * len(leaves))
+  params = [(0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
+            for k, a in zip(keys[::2], leaves)]
+  grads = [(1e-3 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
+           for k, a in zip(keys[1::2], leaves)]
+  return treedef.unflatten(params), treedef.unflatten(grads)
+
+
+def cpu_seconds() -> float:
+  """CPU time of this process (all threads), user + system."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def subtree(tree: Any, tier: str) -> Any:
+  """The leaves of `tree` in one SkewAdam tier ('experts' or 'backbone'), same nesting."""
+  labels = sj.moe_param_labels(tree)
+
+  def keep(node, lab):
+    if isinstance(node, dict):
+      out = {k: keep(node[k], lab[k]) for k in node}
+      return {k: v for k, v in out.items() if v is not None}
+    return node if lab == tier else None
+  return keep(tree, labels)
+
+
+class Runner:
+  """A compiled, donated step and the buffers it cycles through."""
+
+  def __init__(self, name: str, params: Any, grads: Any, opt: str | None = None):
+    self.name = name
+    opt = opt or name
+    copy_of = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+    if name == 'copy':
+      # A streaming read + write of every parameter into its own (donated) buffer: the
+      # bandwidth reference. Negation, because XLA removes a plain copy or `x * 1`.
+      fn = jax.jit(lambda p: jax.tree.map(jnp.negative, p), donate_argnums=0)
+      self.args = [copy_of(params)]
+      self.compiled = fn.lower(*self.args).compile()
+
+      def call():
+        self.args[0] = self.compiled(*self.args)
+        return self.args[0]
+      self.call = call
+    else:
+      tx = OPTIMIZERS[opt]()
+
+      def step(p, g, s):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+      p = copy_of(params)
+      s = jax.jit(tx.init)(p)
+      self.args = [p, grads, s]
+      self.compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*self.args).compile()
+
+      def call():
+        p, s = self.compiled(*self.args)
+        self.args[0], self.args[2] = p, s
+        return p, s
+      self.call = call
+      self.state_bytes = sj.state_bytes(s)
+    ma = self.compiled.memory_analysis()
+    ca = self.compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    self.bytes_accessed = float(ca.get('bytes accessed', float('nan')))
+    self.temp_bytes = int(ma.temp_size_in_bytes)
+    self.wall: list[float] = []
+    self.cpu: list[float] = []
+
+  def time_once(self) -> None:
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    jax.block_until_ready(self.call())
+    self.wall.append(time.perf_counter() - t0)
+    self.cpu.append(cpu_seconds() - c0)
+
+
+def run(names: list[str], dtype: str, rounds: int, warmup: int, by_tier: bool
+        ) -> dict[str, Any]:
+  params, grads = make_tree(dtype, seed=0)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  runners = {}
+  for name in tqdm(['copy'] + names, desc='compile', leave=False):
+    runners[name] = Runner(name, params, grads)
+  tier_runners = {}
+  if by_tier:  # AdamW and SkewAdam on the expert leaves alone and on the backbone alone
+    for tier in ('experts', 'backbone'):
+      p, g = subtree(params, tier), subtree(grads, tier)
+      for opt in ('adamw', 'skewadam'):
+        tier_runners[f'{opt}|{tier}'] = Runner(f'{opt}|{tier}', p, g, opt=opt)
+  all_runners = {**runners, **tier_runners}
+  for _ in range(warmup):
+    for r in all_runners.values():
+      jax.block_until_ready(r.call())
+  order = list(all_runners)
+  for i in tqdm(range(rounds), desc='interleaved rounds'):
+    shift = i % len(order)
+    for name in order[shift:] + order[:shift]:
+      # An untimed call of the same step first, so that no timed call directly follows
+      # another step's allocations (optax.adafactor frees ~1 GiB of temporaries per
+      # step, which otherwise slows down whichever step runs next).
+      jax.block_until_ready(all_runners[name].call())
+      all_runners[name].time_once()
+
+  base = runners['adamw'] if 'adamw' in runners else None
+  copy = runners['copy']
+  copy_bw = copy.bytes_accessed / np.median(copy.wall)
+  rows = {}
+  for name, r in runners.items():
+    med = float(np.median(r.wall))
+    row = {
+        'label': LABELS.get(name, name),
+        'median_ms': 1e3 * med,
+        'min_ms': 1e3 * float(np.min(r.wall)),
+        'cpu_median_ms': 1e3 * float(np.median(r.cpu)),
+        'bytes_accessed': r.bytes_accessed,
+        'bytes_per_param': r.bytes_accessed / n_params,
+        'gb_per_s': r.bytes_accessed / med / 1e9,
+        'fraction_of_copy_bw': r.bytes_accessed / med / copy_bw,
+        'temp_bytes': r.temp_bytes,
+        'temp_fraction_of_params': r.temp_bytes / param_bytes,
+        'state_bytes': getattr(r, 'state_bytes', 0),
+        'wall_s': r.wall,
+        'cpu_s': r.cpu,
+    }
+    if base is not None:
+      ratios = np.asarray(r.wall) / np.asarray(base.wall)
+      cratios = np.asarray(r.cpu) / np.maximum(np.asarray(base.cpu), 1e-9)
+      row['ratio_vs_adamw'] = float(np.median(ratios))
+      row['ratio_vs_adamw_q25_q75'] = [float(np.quantile(ratios, 0.25)),
+                                       float(np.quantile(ratios, 0.75))]
+      row['cpu_ratio_vs_adamw'] = float(np.median(cratios))
+    rows[name] = row
+  tiers = {}
+  for tier in ('experts', 'backbone'):
+    if f'adamw|{tier}' not in tier_runners:
+      continue
+    a, b = tier_runners[f'adamw|{tier}'], tier_runners[f'skewadam|{tier}']
+    n = sum(x.size for x in jax.tree.leaves(a.args[0]))
+    tiers[tier] = {
+        'params': n,
+        'adamw_median_ms': 1e3 * float(np.median(a.wall)),
+        'skewadam_median_ms': 1e3 * float(np.median(b.wall)),
+        'ratio': float(np.median(np.asarray(b.wall) / np.asarray(a.wall))),
+        'adamw_bytes_per_param': a.bytes_accessed / n,
+        'skewadam_bytes_per_param': b.bytes_accessed / n,
+        'skewadam_temp_bytes': b.temp_bytes,
+    }
+  return {'n_params': n_params, 'param_bytes': param_bytes, 'dtype': dtype,
+          'rounds': rounds, 'warmup': warmup, 'copy_gb_per_s': copy_bw / 1e9,
+          'results': rows, 'by_tier': tiers}
+
+
+def table(res: dict[str, Any]) -> str:
+  header = ['step', 'median ms', 'x adamw (median of rounds) [IQR]', 'x adamw CPU time',
+            'XLA bytes/param', 'GB/s', '% of copy GB/s', 'XLA temp', 'temp % of params']
+  rows = []
+  for r in res['results'].values():
+    ratio = (f"{r['ratio_vs_adamw']:.2f} [{r['ratio_vs_adamw_q25_q75'][0]:.2f}-"
+             f"{r['ratio_vs_adamw_q25_q75'][1]:.2f}]" if 'ratio_vs_adamw' in r else '')
+    rows.append([r['label'], f"{r['median_ms']:.1f}", ratio,
+                 f"{r.get('cpu_ratio_vs_adamw', float('nan')):.2f}",
+                 f"{r['bytes_per_param']:.1f}", f"{r['gb_per_s']:.1f}",
+                 f"{100 * r['fraction_of_copy_bw']:.0f}%",
+                 f"{r['temp_bytes'] / 2**20:.2f} MiB",
+                 f"{100 * r['temp_fraction_of_params']:.3f}%"])
+  return _common.markdown_table(header, rows)
+
+
+def tier_table(res: dict[str, Any]) -> str:
+  if not res.get('by_tier'):
+    return ''
+  header = ['leaves', 'params', 'adamw ms', 'SkewAdam ms', 'SkewAdam / adamw (median of rounds)',
+            'XLA bytes/param adamw', 'XLA bytes/param SkewAdam', 'SkewAdam temp']
+  rows = [[f'{tier} only', f"{t['params'] / 1e6:.1f}M", f"{t['adamw_median_ms']:.1f}",
+           f"{t['skewadam_median_ms']:.1f}", f"{t['ratio']:.2f}",
+           f"{t['adamw_bytes_per_param']:.1f}", f"{t['skewadam_bytes_per_param']:.1f}",
+           f"{t['skewadam_temp_bytes'] / 2**20:.2f} MiB"]
+          for tier, t in res['by_tier'].items()]
+  return ('Per tier (the same step on the sub-tree of one tier, timed in the same rounds):\n\n'
+          + _common.markdown_table(header, rows) + '\n')
+
+
+def plot(res: dict[str, Any], path, title: str) -> None:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  names = [n for n in res['results'] if n != 'copy']
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  meds = [res['results'][n]['median_ms'] for n in names]
+  ax1.bar(range(len(names)), meds, color='tab:blue')
+  ax1.axhline(res['results']['copy']['median_ms'], color='gray', ls='--',
+              label='copy kernel')
+  ax1.set_xticks(range(len(names)), [res['results'][n]['label'] for n in names],
+                 rotation=20, ha='right', fontsize=8)
+  ax1.set_ylabel('median step time (ms)')
+  ax1.legend(fontsize=8)
+  if 'adamw' in res['results']:
+    data = [np.asarray(res['results'][n]['wall_s']) / np.asarray(
+        res['results']['adamw']['wall_s']) for n in names]
+    ax2.boxplot(data)
+    ax2.set_xticks(range(1, len(names) + 1), [res['results'][n]['label'] for n in names],
+                   rotation=20, ha='right', fontsize=8)
+    ax2.axhline(1.0, color='gray', ls='--')
+    ax2.set_yscale('log')
+    ax2.set_ylabel('time / optax.adamw time (same round)')
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  ap.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+  ap.add_argument('--rounds', type=int, default=15)
+  ap.add_argument('--warmup', type=int, default=2)
+  ap.add_argument('--only', nargs='*', default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+  ap.add_argument('--no-by-tier', dest='by_tier', action='store_false',
+                  help='skip AdamW vs SkewAdam on the expert and backbone leaves alone')
+  ap.add_argument('--out', default=str(RESULTS))
+  args = ap.parse_args()
+  names = ['adamw'] + [n for n in args.only if n != 'adamw']
+
+  res = run(names, args.dtype, args.rounds, args.warmup, args.by_tier)
+  cores = len(os.sched_getaffinity(0))
+  res.update(command=_common.command(), machine=_common.machine(), cores_used=cores)
+  tag = f'step_time_{cores}core_{args.dtype}'
+  out = _common.Path(args.out)
+  _common.write_json(out / f'{tag}.json', res)
+  title = (f"{res['n_params'] / 1e6:.1f}M-parameter MoE tree, {args.dtype}, "
+           f"{cores} core(s), {args.rounds} interleaved rounds")
+  md = '\n'.join([
+      f'## Step time: {title}', '',
+      f"`{res['command']}`", '',
+      _common.machine_line(res['machine']), '',
+      f"Copy kernel: {res['copy_gb_per_s']:.1f} GB/s (XLA bytes accessed / median time).",
+      '', table(res), '', tier_table(res)])
+  (out / f'{tag}.md').write_text(md)
+  plot(res, out / f'{tag}.png', title)
+  print(md)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,87 @@
+"""The donated optimizer step materialises nothing of a parameter's size.
+
+XLA's `memory_analysis().temp_size_in_bytes` of `jit(update + apply, donated)` is a
+property of the compiled program, not a timing: a full-size temporary of any leaf below
+(the smallest matrix is 10% of the tree) fails these bounds, while the row/column and
+pooled statistics the rules need stay well inside them.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import skewadam_jax as sj
+
+# An MoE-shaped tree: stacked experts, an embedding, a matrix of odd width (groups of 8
+# do not divide it), a norm and a router.
+SHAPES = {
+    'embed': {'embedding': (2048, 256)},
+    'blocks': {'0': {'attn': {'o_proj': {'kernel': (512, 517)}},
+                     'ln': {'scale': (256,)}},
+               '1': {'moe': {'router': {'kernel': (256, 16)},
+                             'experts': {'w1': (16, 128, 256)}}}},
+}
+
+
+def _params(dtype):
+  return jax.tree.map(lambda s: jnp.zeros(s, dtype), SHAPES,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _compiled_step(tx, params):
+  def step(p, g, s):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  state = jax.eval_shape(tx.init, params)
+  return jax.jit(step, donate_argnums=(0, 2)).lower(params, params, state).compile()
+
+
+def _temp_fraction(tx, dtype):
+  params = _params(dtype)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  ma = _compiled_step(tx, params).memory_analysis()
+  return ma.temp_size_in_bytes / param_bytes
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_skewadam_step_has_no_full_size_temporary(dtype):
+  # Row/column statistics of these shapes are ~1.5% of the parameters' bytes in bf16.
+  assert _temp_fraction(sj.skewadam(1e-3, weight_decay=0.1), dtype) < 0.03
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('group_size', [8, 3])
+def test_adampm_step_has_no_temporary(dtype, group_size):
+  tx = sj.adampm(1e-3, weight_decay=0.1, group_size=group_size)
+  assert _temp_fraction(tx, dtype) < 0.01
+
+
+@pytest.mark.parametrize('second_moment', ['exact', 'factored', 'grouped'])
+@pytest.mark.parametrize('eps_mode', ['floor', 'adam'])
+def test_clipped_tier_step_has_no_full_size_temporary(second_moment, eps_mode):
+  # No momentum: the published expert tier's rule, with every estimator.
+  tier = sj.Tier(momentum=False, second_moment=second_moment, eps_mode=eps_mode)
+  tx = optax.chain(sj.scale_by_tiered_adam(tier=tier), optax.scale(-1e-3))
+  params = _params('float32')
+  temp = _compiled_step(tx, params).memory_analysis().temp_size_in_bytes
+  if second_moment == 'grouped':
+    # Up to three pooled-size arrays (1/8 of a leaf each) may be materialised; any
+    # full-size leaf on top of them exceeds this bound.
+    pooled = sj.state_bytes(jax.eval_shape(tx.init, params))
+    assert temp < 3.5 * pooled
+  else:
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    assert temp < 0.03 * param_bytes
+
+
+def test_published_expert_update_reads_the_gradient_three_times_at_most():
+  # XLA's bytes accessed per parameter for the expert tier: p and g in, p out (12 B)
+  # plus one read of g for each of the column, row and clip statistics (12 B).
+  params = {'moe': {'experts': {'w1': jnp.zeros((16, 128, 256))}}}
+  compiled = _compiled_step(sj.skewadam(1e-3, weight_decay=0.1), params)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  per_param = cost['bytes accessed'] / params['moe']['experts']['w1'].size
+  assert per_param < 26.0, per_param

@@ -53,15 +53,22 @@ def fusion_boundary(x: jax.Array) -> jax.Array:
   return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23)
 
 
+@jax.jit
+def zero_row_col(p: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Zero float32 row ([..., R]) and column ([..., C]) statistics for a parameter `p`.
+
+  Reduced from `zeros_like(p)` so that they inherit `p`'s sharding minus the reduced
+  axis (slicing a sharded axis to length 1 is an error under an Explicit mesh); jitted
+  so that XLA folds the full-size zeros away instead of allocating them in eager `init`.
+  """
+  zeros = jnp.zeros_like(p, dtype=jnp.float32)
+  return zeros.sum(axis=-1), zeros.sum(axis=-2)
+
+
 def normalised_rows(v_row: jax.Array) -> jax.Array:
   """`v_row / max(mean(v_row over R), 1e-15)`: rows scaled to unit mean per matrix."""
   mean = jnp.mean(v_row, axis=-1, keepdims=True)
   return v_row / jnp.maximum(mean, ROW_MEAN_FLOOR)
-
-
-def factored_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """Shapes of the row and column statistics of a leaf with `ndim >= 2`."""
-  return tuple(shape[:-1]), tuple(shape[:-2]) + (shape[-1],)
 
 
 def is_factored(shape: tuple[int, ...]) -> bool:

@@ -7,6 +7,7 @@ estimate (`ceil(n / group_size)` entries along the axis) is ever stored.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -181,6 +182,17 @@ def _groupmean_by_reduce(x: jax.Array, group_size: int, axis: int) -> jax.Array:
   return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def zero_grouped(p: jax.Array, group_size: int, axis: Optional[int], dtype: Any
+                 ) -> jax.Array:
+  """A zero pooled statistic for parameter `p`, with `p`'s sharding on the grouped axis.
+
+  Pooled from `zeros_like(p)` so that it inherits `p`'s sharding; jitted so that XLA
+  folds the full-size zeros away instead of allocating them in eager `init`.
+  """
+  return groupmean(jnp.zeros_like(p, dtype=dtype), group_size, axis)
+
+
 def expand_groups(nu: jax.Array, group_size: int, axis: Optional[int], n: int
                   ) -> jax.Array:
   """Repeats each group value `group_size` times along `axis` and crops to `n`."""
@@ -266,9 +278,7 @@ def scale_by_grouped_second_moment(
       ax = leaf_axis(path, p)
       check_whole_groups(p, group_size, ax, path)
       mus.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
-      # Built from the parameter, so that the statistic inherits its sharding.
-      zeros = jnp.zeros_like(p, dtype=nu_dtype or p.dtype)
-      nus.append(groupmean(zeros, group_size, ax))
+      nus.append(zero_grouped(p, group_size, ax, jnp.dtype(nu_dtype or p.dtype)))
     return GroupedSecondMomentState(
         count=jnp.zeros([], jnp.int32),
         mu=treedef.unflatten(mus),
@@ -304,11 +314,6 @@ def scale_by_grouped_second_moment(
         count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def grouped_state_fraction(n: int, group_size: int) -> float:
-  """Fraction of a length-`n` axis's second moment that AdamPM stores."""
-  return num_groups(n, group_size) / n if n else 1.0
 
 
 __all__ = [

@@ -224,16 +224,13 @@ def scale_by_tiered_adam(
     mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else optax.MaskedNode()
     v_row = v_col = v = optax.MaskedNode()
     # Every statistic is derived from the parameter (never `jnp.zeros(shape)`) so that
-    # it inherits the parameter's sharding minus the reduced axis. A reduction (free
-    # under jit) rather than `p[..., 0]`: slicing a sharded axis to length 1 is an error
-    # under an Explicit mesh.
+    # it inherits the parameter's sharding.
     if kind == 'factored':
-      v_row = jnp.zeros_like(p, dtype=jnp.float32).sum(axis=-1)
-      v_col = jnp.zeros_like(p, dtype=jnp.float32).sum(axis=-2)
+      v_row, v_col = _factored.zero_row_col(p)
     elif kind == 'grouped':
       ax = grouped_axis(path, shape)
       _grouped.check_whole_groups(p, tier.group_size, ax, path)
-      v = _grouped.groupmean(jnp.zeros_like(p, dtype=jnp.float32), tier.group_size, ax)
+      v = _grouped.zero_grouped(p, tier.group_size, ax, jnp.dtype(jnp.float32))
     else:
       v = jnp.zeros_like(p, dtype=jnp.float32)
     return mu, v_row, v_col, v

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -87,3 +88,86 @@ def machine_line(m: dict[str, Any]) -> str:
   return (f"{m['cpu']}, {m['cores']} cores ({len(m['cores_usable'])} usable by this "
           f"process), {m['memory_gib']} GiB, backend {m['backend']}; jax {v['jax']}, "
           f"jaxlib {v['jaxlib']}, optax {v['optax']}, flax {v['flax']}")
+
+
+# ------------------------------------------------------------------ compiled-HLO figures
+
+_HLO_ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2,
+                 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8}
+_HLO_ARRAY = re.compile(r'\b(' + '|'.join(_HLO_ITEMSIZE) + r')\[([\d,]*)\]')
+_HLO_INSTR = re.compile(r'\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$')
+# Entry-computation instructions that launch no kernel and move no bytes.
+_HLO_FREE = frozenset({'parameter', 'tuple', 'get-tuple-element', 'bitcast', 'constant',
+                       'after-all', 'partition-id', 'replica-id', 'opt-barrier'})
+
+
+def _hlo_type_bytes(type_text: str) -> int:
+  total = 0
+  for dtype, dims in _HLO_ARRAY.findall(type_text):
+    n = 1
+    for d in filter(None, dims.split(',')):
+      n *= int(d)
+    total += n * _HLO_ITEMSIZE[dtype]
+  return total
+
+
+def hlo_kernel_bytes(hlo_text: str) -> tuple[int, int]:
+  """Bytes read and written by the kernels of a compiled module's entry computation.
+
+  Every instruction of the optimised ENTRY computation that is not free (parameters,
+  tuples, bitcasts, constants, barriers) is one kernel (a fusion, a library call, a
+  copy) that reads each operand and writes its result once. On the CPU this equals
+  XLA's own `cost_analysis()['bytes accessed']` up to a few bytes (XLA counts a scalar
+  operand once per use inside a fusion); a compile-only GPU executable has no cost
+  analysis. Loops are counted once (the optimizer
+  steps measured here have none).
+
+  Returns:
+    `(bytes, kernels)`.
+  """
+  start = hlo_text.index('\nENTRY')
+  entry = hlo_text[start:hlo_text.index('\n}', start)]
+  sizes: dict[str, int] = {}
+  total = kernels = 0
+  for line in entry.split('\n')[1:]:
+    m = _HLO_INSTR.match(line)
+    if not m:
+      continue
+    name, type_text, opcode, rest = m.groups()
+    sizes[name] = _hlo_type_bytes(type_text)
+    if opcode in _HLO_FREE:
+      continue
+    operands = rest.split('), ', 1)[0]
+    total += sizes[name] + sum(sizes.get(a, 0) for a in re.findall(r'%([\w.\-]+)', operands))
+    kernels += 1
+  return total, kernels
+
+
+GPU_SPECS = ROOT / 'benchmarks' / 'gpu_specs'
+
+
+def compile_only_device(target: str = 'h200') -> Any:
+  """A compile-only (deviceless) XLA:GPU device described by `gpu_specs/<target>.txtpb`.
+
+  Needs JAX's CUDA plugin at jax's own version (`pip install "jax[cuda12]==<jax
+  version>"`); no GPU, driver or CUDA install is needed. Programs lowered with a
+  sharding on this device compile with XLA:GPU for that target, so their
+  `memory_analysis()` and optimised HLO are what that GPU would run; they cannot execute.
+  """
+  os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # no driver to check
+  import jax
+  from jax.experimental import topologies
+
+  spec = GPU_SPECS / f'{target}.txtpb'
+  if not spec.exists():
+    choices = sorted(p.stem for p in GPU_SPECS.glob('*.txtpb'))
+    raise ValueError(f'`target` must be one of {choices}, got {target!r}.')
+  try:
+    topo = topologies.get_topology_desc(platform='cuda', topology_name=target,
+                                        topology='1x1x1', target_config=spec.read_text())
+  except (NotImplementedError, RuntimeError, ValueError) as e:
+    raise RuntimeError(
+        'A compile-only GPU target needs JAX\'s CUDA plugin at the same version as jax: '
+        f'python -m pip install "jax[cuda12]=={jax.__version__}" (no GPU needed). '
+        f'Original error: {e}') from e
+  return topo.devices[0]

@@ -121,19 +121,24 @@ def _optimizer_alone(tx: Any, a_params: Any, a_state: Any) -> dict[str, Any]:
                                               - ma.alias_size_in_bytes)}
 
 
-def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = True
-           ) -> dict[str, Any]:
-  """Compile (and for `run`, execute once) the step; returns the figures as a dict."""
-  dump = None
-  if explain:
-    dump = tempfile.mkdtemp(prefix='peak_dump_')
-    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                               f' --xla_dump_to={dump}').strip()
+def abstract_step(config: str, opt: str, sharding: Any = None
+                  ) -> tuple[Any, tuple[Any, ...], Any]:
+  """The training step of `config` with optimizer `opt`, and its abstract arguments.
+
+  Args:
+    config: a key of `CONFIGS`.
+    opt: a key of `OPTIMIZERS`.
+    sharding: placed on every abstract argument (e.g. a compile-only GPU device's);
+      None for the default device.
+
+  Returns:
+    `(step, (params, opt_state, rest, batch, key), tx)`: `step` is not jitted; the
+    arguments are `jax.ShapeDtypeStruct`s.
+  """
   from flax import nnx
   import jax
   import jax.numpy as jnp
   import optax
-  import skewadam_jax as sj
   from examples.moe_lm import model as model_lib
 
   cfg = _config(config)
@@ -148,6 +153,10 @@ def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = Tr
   a_state = jax.eval_shape(tx.init, as_f32(a_params) if f32_state else a_params)
   a_batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
   a_key = jax.eval_shape(lambda: jax.random.key(0))
+  args = (a_params, a_state, a_rest, a_batch, a_key)
+  if sharding is not None:
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        args)
 
   def step(params, opt_state, rest, batch, key):
     def loss(p):
@@ -155,6 +164,38 @@ def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = Tr
     (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
+
+  return step, args, tx
+
+
+def memory_figures(ma: Any) -> dict[str, Any]:
+  """The fields of a `memory_analysis()` and the predicted peak arg + out + temp - alias."""
+  return {
+      'argument_bytes': ma.argument_size_in_bytes, 'output_bytes': ma.output_size_in_bytes,
+      'alias_bytes': ma.alias_size_in_bytes, 'temp_bytes': ma.temp_size_in_bytes,
+      'xla_peak_memory_in_bytes': getattr(ma, 'peak_memory_in_bytes', None),
+      'predicted_bytes': (ma.argument_size_in_bytes + ma.output_size_in_bytes
+                          + ma.temp_size_in_bytes - ma.alias_size_in_bytes),
+  }
+
+
+def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = True
+           ) -> dict[str, Any]:
+  """Compile (and for `run`, execute once) the step; returns the figures as a dict."""
+  dump = None
+  if explain:
+    dump = tempfile.mkdtemp(prefix='peak_dump_')
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               f' --xla_dump_to={dump}').strip()
+  from flax import nnx
+  import jax
+  import jax.numpy as jnp
+  import skewadam_jax as sj
+  from examples.moe_lm import model as model_lib
+
+  cfg = _config(config)
+  step, (a_params, a_state, a_rest, a_batch, a_key), tx = abstract_step(config, opt)
+  f32_state = opt != 'skewadam'
 
   t0 = time.perf_counter()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
@@ -169,42 +210,52 @@ def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = Tr
       'params': sum(x.size for x in jax.tree.leaves(a_params)),
       'param_bytes': param_bytes,
       'state_bytes': sj.state_bytes(a_state),
-      'argument_bytes': ma.argument_size_in_bytes, 'output_bytes': ma.output_size_in_bytes,
-      'alias_bytes': ma.alias_size_in_bytes, 'temp_bytes': ma.temp_size_in_bytes,
-      'xla_peak_memory_in_bytes': getattr(ma, 'peak_memory_in_bytes', None),
-      'predicted_bytes': (ma.argument_size_in_bytes + ma.output_size_in_bytes
-                          + ma.temp_size_in_bytes - ma.alias_size_in_bytes),
+      **memory_figures(ma),
       # weights + gradients in the weights' dtype + optimizer state
       'floor_bytes': 2 * param_bytes + sj.state_bytes(a_state),
   }
   if dump:
     out['largest_temps'] = _largest_temps(dump)
-  if run:
+  # On a GPU the published configuration fits and runs too.
+  if run or jax.default_backend() == 'gpu':
+    device = jax.devices()[0]
+    on_cpu = device.platform == 'cpu'
     rss0 = _rss_kib('VmRSS') * 1024
     model = model_lib.MoELM(cfg, rngs=nnx.Rngs(0))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     del model
-    init_on = (jax.tree.map(lambda x: x.astype(jnp.float32), params) if f32_state
-               else params)
-    state = jax.jit(tx.init)(init_on)
-    del init_on
+    # The float32 copy that the optax baselines are initialised on lives only inside
+    # this jit (their init reads shapes only), so it adds nothing to the peak.
+    state = jax.jit(lambda p: tx.init(jax.tree.map(
+        lambda x: x.astype(jnp.float32), p) if f32_state else p))(params)
     batch = jnp.zeros((BATCH, SEQ + 1), jnp.int32)
     key = jax.random.key(0)
     jax.block_until_ready((params, state, batch))
-    rss1 = _rss_kib('VmRSS') * 1024
-    reset = _reset_peak_rss()
+    if on_cpu:
+      rss1 = _rss_kib('VmRSS') * 1024
+      reset = _reset_peak_rss()
+    else:
+      in_use = device.memory_stats()['bytes_in_use']
     result = compiled(params, state, rest, batch, key)
     jax.block_until_ready(result)
-    hwm = _rss_kib('VmHWM') * 1024
+    if on_cpu:
+      growth = _rss_kib('VmHWM') * 1024 - rss1
+      measured = {'measured_by': 'RSS', 'measured_input_bytes': rss1 - rss0,
+                  'peak_reset_ok': reset}
+    else:
+      # The allocator's peak over the whole process (inputs, init and step); inputs are
+      # allocated first and the init needs less than the step, so this is the step's.
+      peak = device.memory_stats()['peak_bytes_in_use']
+      growth = peak - in_use
+      measured = {'measured_by': 'device allocator', 'measured_input_bytes': in_use,
+                  'measured_peak_bytes': peak}
     out.update({
-        # Resident growth while allocating the inputs (includes compiling the init).
-        'measured_input_bytes': rss1 - rss0,
+        **measured,
         # What the step itself adds on top of its resident inputs, against XLA's
         # `output + temp - alias` (the donated outputs reuse the inputs' buffers).
-        'measured_step_growth_bytes': hwm - rss1,
+        'measured_step_growth_bytes': growth,
         'predicted_step_growth_bytes': (ma.output_size_in_bytes + ma.temp_size_in_bytes
                                         - ma.alias_size_in_bytes),
-        'peak_reset_ok': reset,
         'loss': float(result[2]),
     })
   if opt_alone:
@@ -246,7 +297,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     header += ['optimizer alone: temp (MiB)']
     runs = 'measured_step_growth_bytes' in first
     if runs:
-      header += ['step growth predicted (out+temp-alias)', 'step growth measured (RSS)',
+      header += ['step growth predicted (out+temp-alias)',
+                 f"step growth measured ({first.get('measured_by', 'RSS')})",
                  'measured - predicted (MiB)']
     if config == 'paper-6.78b':
       header += ['published peak (H200)']
@@ -289,7 +341,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
   for ax, config in zip(axes[0], configs):
     mine = [r for r in rows if r['config'] == config]
     x = np.arange(len(mine))
-    series = [('predicted (XLA:CPU)', 'predicted_bytes'), ('floor: weights+grads+state',
+    series = [('predicted (XLA memory_analysis)', 'predicted_bytes'), ('floor: weights+grads+state',
                                                           'floor_bytes')]
     if 'measured_step_growth_bytes' in mine[0]:
       for r in mine:  # inputs as XLA counts them + what the step added to RSS
@@ -334,7 +386,8 @@ def main() -> None:
   payload = {'command': _common.command(), 'machine': _common.machine(), 'rows': rows}
   out = Path(args.out)
   _common.write_json(out / 'peak_memory.json', payload)
-  md = '\n'.join(['## Peak memory of one training step (XLA:CPU memory_analysis)', '',
+  backend = 'XLA:' + payload['machine']['backend'].upper()
+  md = '\n'.join([f'## Peak memory of one training step ({backend} memory_analysis)', '',
                   f"`{payload['command']}`", '', _common.machine_line(payload['machine']),
                   '', markdown(rows)])
   (out / 'peak_memory.md').write_text(md)

@@ -30,7 +30,7 @@ import resource
 import time
 from typing import Any, Callable
 
-import _common  # noqa: F401  (puts the repo root on sys.path)
+import _common  # also puts the repo root on sys.path
 from _common import RESULTS
 
 import jax
@@ -135,7 +135,10 @@ class Runner:
     ma = self.compiled.memory_analysis()
     ca = self.compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    self.bytes_accessed = float(ca.get('bytes accessed', float('nan')))
+    accessed = (ca or {}).get('bytes accessed')
+    if accessed is None:  # not every backend reports it: count the kernels' own bytes
+      accessed = _common.hlo_kernel_bytes(self.compiled.as_text())[0]
+    self.bytes_accessed = float(accessed)
     self.temp_bytes = int(ma.temp_size_in_bytes)
     self.wall: list[float] = []
     self.cpu: list[float] = []
@@ -299,11 +302,16 @@ def main() -> None:
   res = run(names, args.dtype, args.rounds, args.warmup, args.by_tier)
   cores = len(os.sched_getaffinity(0))
   res.update(command=_common.command(), machine=_common.machine(), cores_used=cores)
-  tag = f'step_time_{cores}core_{args.dtype}'
+  if jax.default_backend() == 'cpu':
+    tag, where = f'step_time_{cores}core_{args.dtype}', f'{cores} core(s)'
+  else:
+    device = jax.devices()[0]
+    tag = f'step_time_{device.platform}_{args.dtype}'
+    where = device.device_kind
   out = _common.Path(args.out)
   _common.write_json(out / f'{tag}.json', res)
   title = (f"{res['n_params'] / 1e6:.1f}M-parameter MoE tree, {args.dtype}, "
-           f"{cores} core(s), {args.rounds} interleaved rounds")
+           f"{where}, {args.rounds} interleaved rounds")
   md = '\n'.join([
       f'## Step time: {title}', '',
       f"`{res['command']}`", '',

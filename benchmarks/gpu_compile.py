@@ -11,20 +11,22 @@ execute on that GPU, so two of the step's figures can be read off it:
   alias` from `memory_analysis()`. This is XLA's own plan, not a measurement on a device:
   a real run adds the CUDA context, the allocator's fragmentation and library
   workspaces that XLA does not assign.
-* **The optimizer step's memory traffic** (`step_time.py`'s update + apply on the
-  128.7M-parameter MoE tree, float32, donated): the bytes every kernel of the optimised
-  module reads and writes, per parameter (`_common.hlo_kernel_bytes`; it equals XLA's
-  `cost_analysis()` on the CPU, which a compile-only GPU executable does not provide),
-  the number of kernels and XLA's temp. A memory-bound step's time follows its bytes only
-  if every kernel streams at the same bandwidth, so the ratio to AdamW's bytes is a
-  bound on what the step could gain, not a timing.
+* **The optimizer step's memory traffic** (`step_time.py`'s update + apply, donated, on
+  its 128.7M-parameter MoE tree in float32 and in bf16, and on the published 6.78B
+  model with its bf16 weights; AdamW's and AdamPM's state float32 as published, with
+  `step_time.py --state-dtype float32`): the bytes every kernel of the optimised
+  module reads and writes, per parameter (`_common.hlo_kernel_bytes`; on the CPU it
+  agrees with XLA's `cost_analysis()`, which a compile-only GPU executable does not
+  provide), the number of kernels and XLA's temp. A memory-bound step's time follows
+  its bytes only if every kernel streams at the same bandwidth, so the ratio to AdamW's
+  bytes is what the step would take at equal bandwidth, not a timing.
 
 Setup (once; a separate environment keeps the CPU one free of CUDA wheels):
 
   python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
   python -m pip install -e ".[examples]" && python -m pip install "jax[cuda12]==$(
       python -c 'import jax; print(jax.__version__)')"       # the plugin of that jax
-  python benchmarks/gpu_compile.py          # H200, both parts: ~2.5 min on 2 cores
+  python benchmarks/gpu_compile.py          # H200, both parts: ~3 min on 2 cores
 
 Writes results/gpu_compile_<target>.{json,md,png} under benchmarks/.
 """
@@ -50,7 +52,7 @@ from tqdm import tqdm  # noqa: E402
 import peak_memory  # noqa: E402
 import skewadam_jax as sj  # noqa: E402
 import step_time  # noqa: E402
-from examples.moe_lm.model import abstract_params  # noqa: E402
+from examples.moe_lm.model import abstract_params, get_config  # noqa: E402
 
 TARGETS = sorted(p.stem for p in _common.GPU_SPECS.glob('*.txtpb'))
 STEP_NAMES = ('copy', 'adamw', 'adafactor', 'skewadam', 'adampm')
@@ -90,15 +92,28 @@ def _compile_update(name: str, params: Any, sharding: Any) -> Any:
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
 
-  state = jax.eval_shape(tx.init, params)
+  # AdamW's and AdamPM's state in float32 whatever the parameters' dtype, as the
+  # published AdamW keeps float32 m and v for bf16 weights (step_time.py
+  # --state-dtype float32); SkewAdam's state is float32 by construction.
+  as_f32 = lambda t: jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(x.shape, 'float32'), t)
+  f32 = name in step_time.F32_STATE_INIT
+  state = jax.eval_shape(tx.init, as_f32(params) if f32 else params)
   return jax.jit(step, donate_argnums=(0, 2)).lower(
       put(params), put(params), put(state)).compile()
 
 
-def update_rows(device: Any, names: list[str]) -> list[dict[str, Any]]:
-  """Compiles the optimizer update + apply on the step_time tree (and per tier)."""
+def update_rows(device: Any, names: list[str], tree_name: str, dtype: str
+                ) -> list[dict[str, Any]]:
+  """Compiles the optimizer update + apply on one parameter tree (and per tier).
+
+  `tree_name` 'w8' is step_time.py's 128.7M tree in `dtype`; 'paper-6.78b' is the
+  published model as peak_memory.py builds it (bf16 weights, float32 norms and router).
+  """
   sharding = jax.sharding.SingleDeviceSharding(device)
-  tree = abstract_params(step_time.moe_config('float32')).to_pure_dict()
+  cfg = (get_config('paper-6.78b') if tree_name == 'paper-6.78b'
+         else step_time.moe_config(dtype))
+  tree = abstract_params(cfg).to_pure_dict()
   trees = {'all': tree, 'experts': step_time.subtree(tree, 'experts'),
            'backbone': step_time.subtree(tree, 'backbone')}
   jobs = [('all', n) for n in names]
@@ -112,7 +127,8 @@ def update_rows(device: Any, names: list[str]) -> list[dict[str, Any]]:
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kernel_bytes, kernels = _common.hlo_kernel_bytes(compiled.as_text())
     temp = compiled.memory_analysis().temp_size_in_bytes
-    rows.append({'leaves': leaves, 'step': name, 'params': n_params,
+    rows.append({'tree': tree_name, 'dtype': dtype, 'leaves': leaves, 'step': name,
+                 'params': n_params,
                  'kernel_bytes': kernel_bytes, 'bytes_per_param': kernel_bytes / n_params,
                  'kernels': kernels, 'temp_bytes': temp,
                  'temp_fraction_of_params': temp / param_bytes})
@@ -148,17 +164,19 @@ def markdown(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any
     parts += [_common.markdown_table(header, table), '',
               'GiB (2^30 B). Compile times: ' +
               ', '.join(f"{r['optimizer']} {r['compile_s']:.0f} s" for r in mine) + '.', '']
-  if update:
-    n = update[0]['params']
-    parts += [f'### Optimizer update + apply, {n:,}-parameter MoE tree (float32, '
-              f'donated), XLA:GPU for {target}', '']
+  for tree, dtype in dict.fromkeys((r['tree'], r['dtype']) for r in update):
+    mine = [r for r in update if (r['tree'], r['dtype']) == (tree, dtype)]
+    parts += [f"### Optimizer update + apply, {tree} ({mine[0]['params']:,} parameters), "
+              f'{dtype} params and gradients, float32 AdamW/AdamPM state, donated; '
+              f'XLA:GPU for {target}',
+              '']
     header = ['leaves', 'step', 'kernel bytes / param', 'x adamw bytes', 'kernels',
               'XLA temp', 'temp % of params']
     table = [[r['leaves'], step_time.LABELS.get(r['step'], r['step']),
               f"{r['bytes_per_param']:.1f}",
               f"{r['bytes_vs_adamw']:.2f}" if 'bytes_vs_adamw' in r else '-',
               r['kernels'], f"{r['temp_bytes'] / 2**20:.2f} MiB",
-              f"{100 * r['temp_fraction_of_params']:.3f}%"] for r in update]
+              f"{100 * r['temp_fraction_of_params']:.3f}%"] for r in mine]
     parts += [_common.markdown_table(header, table, align='ll' + 'r' * 5), '']
   return '\n'.join(parts)
 
@@ -185,11 +203,18 @@ def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
     ax0.set_ylabel('GiB')
     ax0.set_title('paper-6.78b: peak memory of one training step', fontsize=9)
     ax0.legend(fontsize=7)
-  rows = [r for r in update if r['leaves'] == 'all']
-  if rows:
-    ax1.bar([r['step'] for r in rows], [r['bytes_per_param'] for r in rows])
-    ax1.set_ylabel('bytes read + written per parameter')
-    ax1.set_title(f'optimizer update + apply: kernel traffic (XLA:GPU, {target})',
+  groups = list(dict.fromkeys((r['tree'], r['dtype']) for r in update))
+  for j, (tree, dtype) in enumerate(groups):
+    rows = [r for r in update if r['leaves'] == 'all' and (r['tree'], r['dtype']) == (tree, dtype)]
+    x = np.arange(len(rows))
+    w = 0.8 / len(groups)
+    ax1.bar(x + j * w, [r.get('bytes_vs_adamw', 0) for r in rows], w, label=f'{tree}, {dtype}')
+    ax1.set_xticks(x + 0.4 - w / 2, [r['step'] for r in rows])
+  if update:
+    ax1.axhline(1.0, color='gray', lw=0.8)
+    ax1.legend(fontsize=7)
+    ax1.set_ylabel("kernel bytes / optax.adamw's")
+    ax1.set_title(f'optimizer update + apply: memory traffic (XLA:GPU plan, {target})',
                   fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -205,12 +230,19 @@ def main() -> None:
                   choices=peak_memory.OPTIMIZERS)
   ap.add_argument('--steps', nargs='*', default=list(STEP_NAMES), choices=STEP_NAMES,
                   help='optimizer steps whose update traffic is compiled')
+  ap.add_argument('--dtypes', nargs='*', default=['float32', 'bfloat16'],
+                  choices=['float32', 'bfloat16'],
+                  help="parameter and gradient dtypes of the update's tree")
   ap.add_argument('--out', default=str(RESULTS))
   args = ap.parse_args()
 
   device = _common.compile_only_device(args.target)
   peak = peak_rows(device, args.configs, args.optimizers)
-  update = update_rows(device, args.steps)
+  update = [row for dtype in args.dtypes
+            for row in update_rows(device, args.steps, 'w8', dtype)]
+  if 'paper-6.78b' in args.configs:
+    update += update_rows(device, args.steps, 'paper-6.78b',
+                          'bfloat16 (norms and router float32)')
   payload = {'command': _common.command(), 'machine': _common.machine(),
              'target': args.target, 'device': str(device),
              'target_config': (_common.GPU_SPECS / f'{args.target}.txtpb').read_text(),

@@ -212,6 +212,7 @@ def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
     ax1.set_xticks(x + 0.4 - w / 2, [r['step'] for r in rows])
   if update:
     ax1.axhline(1.0, color='gray', lw=0.8)
+    ax1.set_ylim(0, 1.5)
     ax1.legend(fontsize=7)
     ax1.set_ylabel("kernel bytes / optax.adamw's")
     ax1.set_title(f'optimizer update + apply: memory traffic (XLA:GPU plan, {target})',

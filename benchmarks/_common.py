@@ -90,6 +90,18 @@ def machine_line(m: dict[str, Any]) -> str:
           f"jaxlib {v['jaxlib']}, optax {v['optax']}, flax {v['flax']}")
 
 
+def init_on_float32(tx: Any) -> Any:
+  """`params -> tx.init(params as float32)`: float32 optimizer state for any weights.
+
+  The published AdamW baseline keeps float32 m and v for bf16 weights; optax's
+  optimizers take their state's dtype from the parameters they are initialised on. Works
+  under `jax.jit` (arrays) and `jax.eval_shape` (`ShapeDtypeStruct`s).
+  """
+  import jax
+  import jax.numpy as jnp
+  return lambda params: tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), params))
+
+
 # ------------------------------------------------------------------ compiled-HLO figures
 
 _HLO_ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2,

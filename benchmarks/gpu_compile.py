@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,6 @@ import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import peak_memory  # noqa: E402
-import skewadam_jax as sj  # noqa: E402
 import step_time  # noqa: E402
 from examples.moe_lm.model import abstract_params, get_config  # noqa: E402
 
@@ -64,19 +62,7 @@ def peak_rows(device: Any, configs: list[str], optimizers: list[str]) -> list[di
   rows = []
   for config in configs:
     for opt in tqdm(optimizers, desc=f'training step, {config}', leave=False):
-      step, args, _ = peak_memory.abstract_step(config, opt, sharding)
-      t0 = time.perf_counter()
-      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
-      param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
-      state_bytes = sj.state_bytes(args[1])
-      rows.append({
-          'config': config, 'optimizer': opt,
-          'compile_s': time.perf_counter() - t0,
-          'params': sum(x.size for x in jax.tree.leaves(args[0])),
-          'param_bytes': param_bytes, 'state_bytes': state_bytes,
-          **peak_memory.memory_figures(compiled.memory_analysis()),
-          'floor_bytes': 2 * param_bytes + state_bytes,
-      })
+      rows.append(peak_memory.compile_step(config, opt, sharding)[1])
   return rows
 
 
@@ -92,13 +78,9 @@ def _compile_update(name: str, params: Any, sharding: Any) -> Any:
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
 
-  # AdamW's and AdamPM's state in float32 whatever the parameters' dtype, as the
-  # published AdamW keeps float32 m and v for bf16 weights (step_time.py
-  # --state-dtype float32); SkewAdam's state is float32 by construction.
-  as_f32 = lambda t: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(x.shape, 'float32'), t)
-  f32 = name in step_time.F32_STATE_INIT
-  state = jax.eval_shape(tx.init, as_f32(params) if f32 else params)
+  # AdamW's and AdamPM's state in float32 whatever the parameters' dtype, as
+  # `step_time.py --state-dtype float32` (the published AdamW keeps float32 m and v).
+  state = jax.eval_shape(step_time.init_fn(name, tx, f32_state=True), params)
   return jax.jit(step, donate_argnums=(0, 2)).lower(
       put(params), put(params), put(state)).compile()
 

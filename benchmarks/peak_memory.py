@@ -143,14 +143,9 @@ def abstract_step(config: str, opt: str, sharding: Any = None
 
   cfg = _config(config)
   tx = _optimizer(opt)
-  f32_state = opt != 'skewadam'
-  as_f32 = lambda t: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
-      if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-
   abstract_model = nnx.eval_shape(lambda: model_lib.MoELM(cfg, rngs=nnx.Rngs(0)))
   graphdef, a_params, a_rest = nnx.split(abstract_model, nnx.Param, ...)
-  a_state = jax.eval_shape(tx.init, as_f32(a_params) if f32_state else a_params)
+  a_state = jax.eval_shape(_init(opt, tx), a_params)
   a_batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
   a_key = jax.eval_shape(lambda: jax.random.key(0))
   args = (a_params, a_state, a_rest, a_batch, a_key)
@@ -168,15 +163,44 @@ def abstract_step(config: str, opt: str, sharding: Any = None
   return step, args, tx
 
 
-def memory_figures(ma: Any) -> dict[str, Any]:
-  """The fields of a `memory_analysis()` and the predicted peak arg + out + temp - alias."""
-  return {
+def _init(opt: str, tx: Any) -> Any:
+  """`tx.init`; the optax baselines and AdamPM on a float32 view of the parameters
+  (float32 state for bf16 weights, as published); SkewAdam's state is float32 anyway."""
+  return tx.init if opt == 'skewadam' else _common.init_on_float32(tx)
+
+
+def compile_step(config: str, opt: str, sharding: Any = None
+                 ) -> tuple[Any, dict[str, Any], tuple[Any, ...], Any]:
+  """Compiles `abstract_step` (params and state donated) and reads XLA's memory figures.
+
+  Returns:
+    `(compiled, figures, abstract args, tx)`; `figures` holds the `memory_analysis()`
+    fields, the predicted peak `argument + output + temp - alias`, the state bytes and
+    the floor `weights + gradients (weights' dtype) + state`.
+  """
+  import jax
+  import skewadam_jax as sj
+
+  step, args, tx = abstract_step(config, opt, sharding)
+  t0 = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  ma = compiled.memory_analysis()
+  a_params, a_state = args[:2]
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(a_params))
+  state_bytes = sj.state_bytes(a_state)
+  figures = {
+      'config': config, 'optimizer': opt, 'compile_s': compile_s,
+      'params': sum(x.size for x in jax.tree.leaves(a_params)),
+      'param_bytes': param_bytes, 'state_bytes': state_bytes,
       'argument_bytes': ma.argument_size_in_bytes, 'output_bytes': ma.output_size_in_bytes,
       'alias_bytes': ma.alias_size_in_bytes, 'temp_bytes': ma.temp_size_in_bytes,
       'xla_peak_memory_in_bytes': getattr(ma, 'peak_memory_in_bytes', None),
       'predicted_bytes': (ma.argument_size_in_bytes + ma.output_size_in_bytes
                           + ma.temp_size_in_bytes - ma.alias_size_in_bytes),
+      'floor_bytes': 2 * param_bytes + state_bytes,
   }
+  return compiled, figures, args, tx
 
 
 def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = True
@@ -190,30 +214,10 @@ def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = Tr
   from flax import nnx
   import jax
   import jax.numpy as jnp
-  import skewadam_jax as sj
   from examples.moe_lm import model as model_lib
 
-  cfg = _config(config)
-  step, (a_params, a_state, a_rest, a_batch, a_key), tx = abstract_step(config, opt)
-  f32_state = opt != 'skewadam'
-
-  t0 = time.perf_counter()
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-      a_params, a_state, a_rest, a_batch, a_key).compile()
-  compile_s = time.perf_counter() - t0
+  compiled, out, (a_params, a_state, a_rest, _, _), tx = compile_step(config, opt)
   ma = compiled.memory_analysis()
-  leaf_bytes = lambda t: sum(x.size * x.dtype.itemsize  # noqa: E731
-                             for x in jax.tree.leaves(t) if hasattr(x, 'dtype'))
-  param_bytes = leaf_bytes(a_params)
-  out = {
-      'config': config, 'optimizer': opt, 'compile_s': compile_s,
-      'params': sum(x.size for x in jax.tree.leaves(a_params)),
-      'param_bytes': param_bytes,
-      'state_bytes': sj.state_bytes(a_state),
-      **memory_figures(ma),
-      # weights + gradients in the weights' dtype + optimizer state
-      'floor_bytes': 2 * param_bytes + sj.state_bytes(a_state),
-  }
   if dump:
     out['largest_temps'] = _largest_temps(dump)
   # On a GPU the published configuration fits and runs too.
@@ -221,13 +225,12 @@ def worker(config: str, opt: str, run: bool, explain: bool, opt_alone: bool = Tr
     device = jax.devices()[0]
     on_cpu = device.platform == 'cpu'
     rss0 = _rss_kib('VmRSS') * 1024
-    model = model_lib.MoELM(cfg, rngs=nnx.Rngs(0))
+    model = model_lib.MoELM(_config(config), rngs=nnx.Rngs(0))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     # The float32 copy that the optax baselines are initialised on lives only inside
     # this jit (their init reads shapes only), so it adds nothing to the peak.
-    state = jax.jit(lambda p: tx.init(jax.tree.map(
-        lambda x: x.astype(jnp.float32), p) if f32_state else p))(params)
+    state = jax.jit(_init(opt, tx))(params)
     batch = jnp.zeros((BATCH, SEQ + 1), jnp.int32)
     key = jax.random.key(0)
     jax.block_until_ready((params, state, batch))

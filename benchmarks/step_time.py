@@ -104,6 +104,11 @@ def subtree(tree: Any, tier: str) -> Any:
   return keep(tree, labels)
 
 
+def init_fn(opt: str, tx: optax.GradientTransformation, f32_state: bool) -> Callable:
+  """`tx.init`, or with `f32_state` for `F32_STATE_INIT` on a float32 view of the params."""
+  return _common.init_on_float32(tx) if f32_state and opt in F32_STATE_INIT else tx.init
+
+
 class Runner:
   """A compiled, donated step and the buffers it cycles through."""
 
@@ -131,10 +136,7 @@ class Runner:
         return optax.apply_updates(p, updates), s
 
       p = copy_of(params)
-      if f32_state and opt in F32_STATE_INIT:
-        s = jax.jit(lambda p: tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), p)))(p)
-      else:
-        s = jax.jit(tx.init)(p)
+      s = jax.jit(init_fn(opt, tx, f32_state))(p)
       self.args = [p, grads, s]
       self.compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*self.args).compile()
 

@@ -52,7 +52,7 @@ from examples.moe_lm.model import abstract_params, get_config
 LR = 1e-3
 BF16, F32 = jnp.bfloat16, jnp.float32
 
-# The published figures (SPEC section 1): bytes where the paper gives them exactly.
+# The published figures (SkewAdam paper, arXiv 2607.19058): bytes where it gives them exactly.
 PUBLISHED = {
     ('paper-6.78b', 'skewadam'): ('1.29 GiB (1,380,800,000 B)', 1_380_800_000),
     ('paper-6.78b', 'adamw'): ('50.55 GiB (6,784,327,680 x 8 B)', 54_274_621_440),
@@ -226,7 +226,7 @@ def run(model_names: list[str]) -> dict[str, Any]:
 
 
 def check_published(res: dict[str, Any]) -> list[str]:
-  """The two exact figures of the SPEC, as pass/fail lines."""
+  """The two figures the paper gives exactly (SkewAdam and AdamW, 6.78B), as pass/fail lines."""
   lines = []
   if 'paper-6.78b' in res:
     rows = res['paper-6.78b']['optimizers']

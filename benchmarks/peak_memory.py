@@ -10,7 +10,7 @@ parameters, as in `memory.py`; SkewAdam's state is float32 by construction). Mic
 XLA's prediction is `argument + output + temp - alias` from
 `jax.jit(step, donate_argnums=(0, 1)).lower(abstract args).compile().memory_analysis()`
 (nothing allocated). `peak_memory_in_bytes` is not used: on XLA:CPU it is
-max(arguments + outputs - aliases, temp), not their sum (SPEC section 6).
+max(arguments + outputs - aliases, temp), not their sum (docs/xla-notes.md).
 
 Two configurations:
 

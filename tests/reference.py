@@ -1,7 +1,7 @@
-"""Independent NumPy float64 reference of the update rules, written from SPEC.md.
+"""Independent NumPy float64 reference of the update rules in docs/update-rules.md.
 
-Nothing here imports skewadam_jax: every rule is re-derived from the specification
-(section 2) so that the tests compare two independent implementations.
+Nothing here imports skewadam_jax: every rule is re-derived from that statement of the
+rules, so that the tests compare two independent implementations.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def leaf_axis(ndim: int, axis: int) -> Optional[int]:
 
 
 class RefAdamPM:
-  """AdamPM (SPEC 2.2) on one leaf, in float64, with AdamW-style decoupled decay."""
+  """AdamPM (docs/update-rules.md, "AdamPM") on one leaf, in float64, with AdamW-style decay."""
 
   def __init__(self, shape, b1=0.9, b2=0.999, eps=1e-8, s=8, axis=-1):
     self.b1, self.b2, self.eps, self.s = b1, b2, eps, s
@@ -63,7 +63,7 @@ class RefAdamPM:
 
 
 class RefTier:
-  """One SkewAdam tier (SPEC 2.1) on one leaf, in float64."""
+  """One SkewAdam tier (docs/update-rules.md, "SkewAdam") on one leaf, in float64."""
 
   def __init__(self, shape, *, momentum=True, second_moment='factored', clip=1.0,
                eps_mode='floor', group_size=8, group_axis=-1, b1=0.9, b2=0.999,

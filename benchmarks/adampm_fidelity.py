@@ -38,6 +38,7 @@ import optax  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import skewadam_jax as sj  # noqa: E402
+from examples import _cli  # noqa: E402
 from examples.moe_lm import model as model_lib  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
@@ -92,15 +93,21 @@ def make_step(graphdef, tx, shadow):
   return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (`--batch_size` is accepted for `--batch-size`)."""
+  p = _cli.parser(__doc__.splitlines()[0])
+  _cli.option(p, '--preset', default='small', choices=sorted(model_lib.PRESETS),
+              help='model size')
+  _cli.option(p, '--steps', type=int, default=150, help='training steps')
+  _cli.option(p, '--batch-size', type=int, default=16, help='sequences per step')
+  _cli.option(p, '--lr', type=float, default=3e-4, help='peak learning rate')
+  _cli.option(p, '--seed', type=int, default=0, help='weights and batches')
+  _cli.option(p, '--out', default='runs/adampm_fidelity', help='output directory')
+  return p
+
+
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--preset', default='small')
-  p.add_argument('--steps', type=int, default=150)
-  p.add_argument('--batch-size', type=int, default=16)
-  p.add_argument('--lr', type=float, default=3e-4)
-  p.add_argument('--seed', type=int, default=0)
-  p.add_argument('--out', default='runs/adampm_fidelity')
-  args = p.parse_args()
+  args = build_parser().parse_args()
   command = ' '.join(['python'] + sys.argv)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ from tqdm import tqdm  # noqa: E402
 
 import peak_memory  # noqa: E402
 import step_time  # noqa: E402
+from examples import _cli  # noqa: E402
 from examples.moe_lm.model import abstract_params, get_config  # noqa: E402
 
 TARGETS = sorted(p.stem for p in _common.GPU_SPECS.glob('*.txtpb'))
@@ -204,20 +205,26 @@ def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
   plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line."""
+  ap = _cli.parser(__doc__.split('\n\n')[0])
+  _cli.option(ap, '--target', default='h200', choices=TARGETS,
+              help='GPU whose spec (gpu_specs/<target>.txtpb) XLA compiles for')
+  _cli.option(ap, '--configs', nargs='*', default=list(peak_memory.CONFIGS),
+              choices=list(peak_memory.CONFIGS), help='models of the peak-memory rows')
+  _cli.option(ap, '--optimizers', nargs='*', default=list(peak_memory.OPTIMIZERS),
+              choices=peak_memory.OPTIMIZERS, help='optimizers of the peak-memory rows')
+  _cli.option(ap, '--steps', nargs='*', default=list(STEP_NAMES), choices=STEP_NAMES,
+              help='optimizer steps whose update traffic is compiled')
+  _cli.option(ap, '--dtypes', nargs='*', default=['float32', 'bfloat16'],
+              choices=['float32', 'bfloat16'],
+              help="parameter and gradient dtypes of the update's tree")
+  _cli.option(ap, '--out', default=str(RESULTS), help='directory for the JSON, markdown, PNG')
+  return ap
+
+
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  ap.add_argument('--target', default='h200', choices=TARGETS)
-  ap.add_argument('--configs', nargs='*', default=list(peak_memory.CONFIGS),
-                  choices=list(peak_memory.CONFIGS))
-  ap.add_argument('--optimizers', nargs='*', default=list(peak_memory.OPTIMIZERS),
-                  choices=peak_memory.OPTIMIZERS)
-  ap.add_argument('--steps', nargs='*', default=list(STEP_NAMES), choices=STEP_NAMES,
-                  help='optimizer steps whose update traffic is compiled')
-  ap.add_argument('--dtypes', nargs='*', default=['float32', 'bfloat16'],
-                  choices=['float32', 'bfloat16'],
-                  help="parameter and gradient dtypes of the update's tree")
-  ap.add_argument('--out', default=str(RESULTS))
-  args = ap.parse_args()
+  args = build_parser().parse_args()
 
   device = _common.compile_only_device(args.target)
   peak = peak_rows(device, args.configs, args.optimizers)

@@ -47,6 +47,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, muon
 
 import skewadam_jax as sj
+from examples import _cli
 from examples.moe_lm.model import abstract_params, get_config
 
 LR = 1e-3
@@ -300,11 +301,17 @@ def plot(res: dict[str, Any], path) -> None:
   plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line."""
+  ap = _cli.parser(__doc__.split('\n\n')[0])
+  _cli.option(ap, '--models', nargs='*', default=list(MODELS), choices=list(MODELS),
+              help='model configurations to account')
+  _cli.option(ap, '--out', default=str(RESULTS), help='directory for the JSON, markdown, PNG')
+  return ap
+
+
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  ap.add_argument('--models', nargs='*', default=list(MODELS), choices=list(MODELS))
-  ap.add_argument('--out', default=str(RESULTS))
-  args = ap.parse_args()
+  args = build_parser().parse_args()
   res = run(args.models)
   checks = check_published(res) + adampm_claim(res)
   payload = {'command': _common.command(), 'machine': _common.machine(),

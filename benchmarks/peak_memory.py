@@ -46,6 +46,8 @@ from typing import Any
 import _common
 from _common import GIB, RESULTS
 
+from examples import _cli
+
 OPTIMIZERS = ('adamw', 'adafactor', 'skewadam', 'adampm')
 LABELS = {'adamw': 'AdamW (fp32 m, v)', 'adafactor': 'Adafactor (optax default)',
           'skewadam': 'SkewAdam (published tiers)', 'adampm': 'AdamPM (s = 8, fp32 m, nu)'}
@@ -366,14 +368,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
   plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (`--worker` and `--explain` are internal: one subprocess each)."""
+  ap = _cli.parser(__doc__.split('\n\n')[0])
+  _cli.option(ap, '--configs', nargs='*', default=list(CONFIGS), choices=list(CONFIGS),
+              help='model configurations (w8 is also run; paper-6.78b is compiled only)')
+  _cli.option(ap, '--optimizers', nargs='*', default=list(OPTIMIZERS), choices=OPTIMIZERS,
+              help='optimizers to compile')
+  _cli.option(ap, '--out', default=str(RESULTS), help='directory for the JSON, markdown, PNG')
+  _cli.option(ap, '--worker', nargs=2, metavar=('CONFIG', 'OPT'), help=argparse.SUPPRESS)
+  _cli.option(ap, '--explain', action='store_true', help=argparse.SUPPRESS)
+  return ap
+
+
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  ap.add_argument('--configs', nargs='*', default=list(CONFIGS), choices=list(CONFIGS))
-  ap.add_argument('--optimizers', nargs='*', default=list(OPTIMIZERS), choices=OPTIMIZERS)
-  ap.add_argument('--out', default=str(RESULTS))
-  ap.add_argument('--worker', nargs=2, metavar=('CONFIG', 'OPT'), help=argparse.SUPPRESS)
-  ap.add_argument('--explain', action='store_true', help=argparse.SUPPRESS)
-  args = ap.parse_args()
+  args = build_parser().parse_args()
   if args.worker:
     config, opt = args.worker
     print(json.dumps(worker(config, opt, CONFIGS[config]['run'], args.explain)))

@@ -35,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples import _cli  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
 
@@ -62,21 +63,28 @@ LONG_RUNS = (
 )
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (hyphenated flags; `--batch_size` etc. are accepted too)."""
+  p = _cli.parser(__doc__.splitlines()[0])
+  _cli.option(p, '--preset', default='small', help='model size (examples/moe_lm/model.py)')
+  _cli.option(p, '--steps', type=int, default=300, help='training steps per run')
+  _cli.option(p, '--batch-size', type=int, default=16, help='sequences per step')
+  _cli.option(p, '--warmup-frac', type=float, default=0.1,
+              help='linear warmup, as a fraction of the steps')
+  _cli.option(p, '--eval-every', type=int, default=50, help='validate every this many steps')
+  _cli.option(p, '--eval-batches', type=int, default=8, help='validation batches per evaluation')
+  _cli.option(p, '--scale', type=float, default=1.0, help='multiply steps (and eval spacing)')
+  _cli.option(p, '--long', action='store_true',
+              help='SkewAdam, AdamW (3e-4 and 1e-3), AdamPM for 2000 steps (~45 min)')
+  _cli.option(p, '--only', nargs='+', default=None, help='run labels to keep')
+  _cli.option(p, '--seed', type=int, default=0, help='weights, batches and router noise')
+  _cli.option(p, '--out', default='runs/quality', help='output directory')
+  return p
+
+
 def parse_args() -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--preset', default='small')
-  p.add_argument('--steps', type=int, default=300)
-  p.add_argument('--batch-size', type=int, default=16)
-  p.add_argument('--warmup-frac', type=float, default=0.1)
-  p.add_argument('--eval-every', type=int, default=50)
-  p.add_argument('--eval-batches', type=int, default=8)
-  p.add_argument('--scale', type=float, default=1.0, help='multiply steps (and eval spacing)')
-  p.add_argument('--long', action='store_true',
-                 help='SkewAdam, AdamW (3e-4 and 1e-3), AdamPM for 2000 steps (~45 min)')
-  p.add_argument('--only', nargs='+', default=None, help='run labels to keep')
-  p.add_argument('--seed', type=int, default=0)
-  p.add_argument('--out', default='runs/quality')
-  return p.parse_args()
+  """The flags of `sys.argv`."""
+  return build_parser().parse_args()
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ import optax
 from tqdm import tqdm
 
 import skewadam_jax as sj
+from examples import _cli
 from examples.moe_lm.model import abstract_params, get_config
 
 LR = 1e-3
@@ -304,20 +305,28 @@ def plot(res: dict[str, Any], path, title: str) -> None:
   plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (hyphenated flags; `--state_dtype` etc. are accepted too)."""
+  ap = _cli.parser(__doc__.split('\n\n')[0])
+  _cli.option(ap, '--dtype', default='float32', choices=['float32', 'bfloat16'],
+              help='dtype of the parameters and gradients')
+  _cli.option(ap, '--state-dtype', default=None, choices=['float32'],
+              help='float32: AdamW and AdamPM states in float32 whatever --dtype; '
+                   "unset: each optimizer's own, i.e. the parameters' dtype")
+  _cli.option(ap, '--rounds', type=int, default=15, help='interleaved timing rounds')
+  _cli.option(ap, '--warmup', type=int, default=2, help='untimed rounds first')
+  _cli.option(ap, '--only', nargs='*', default=list(OPTIMIZERS), choices=list(OPTIMIZERS),
+              help='optimizers to time (AdamW always, as the reference)')
+  _cli.option(ap, '--no-by-tier', dest='by_tier', action='store_false',
+              # `(default: True)` would read as if the flag were on by default.
+              help='skip AdamW vs SkewAdam on the expert and backbone leaves alone '
+                   '(timing them when not given: %(default)s)')
+  _cli.option(ap, '--out', default=str(RESULTS), help='directory for the JSON, markdown, PNG')
+  return ap
+
+
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  ap.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'],
-                  help='dtype of the parameters and gradients')
-  ap.add_argument('--state-dtype', default=None, choices=['float32'],
-                  help='float32: AdamW and AdamPM states in float32 whatever --dtype '
-                       "(default: each optimizer's own, i.e. the parameters' dtype)")
-  ap.add_argument('--rounds', type=int, default=15)
-  ap.add_argument('--warmup', type=int, default=2)
-  ap.add_argument('--only', nargs='*', default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
-  ap.add_argument('--no-by-tier', dest='by_tier', action='store_false',
-                  help='skip AdamW vs SkewAdam on the expert and backbone leaves alone')
-  ap.add_argument('--out', default=str(RESULTS))
-  args = ap.parse_args()
+  args = build_parser().parse_args()
   names = ['adamw'] + [n for n in args.only if n != 'adamw']
 
   f32_state = args.state_dtype == 'float32'

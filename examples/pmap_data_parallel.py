@@ -44,6 +44,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from examples import _cli  # noqa: E402
 from examples.moe_lm import data as data_lib  # noqa: E402
 from examples.moe_lm import model as model_lib  # noqa: E402
 import skewadam_jax as sj  # noqa: E402
@@ -52,20 +53,29 @@ AXIS = 'batch'
 LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (hyphenated flags; `--batch_size` etc. are accepted too)."""
+  parser = _cli.parser(__doc__.split('\n\n')[0])
+  _cli.option(parser, '--optimizer', default='skewadam', choices=('skewadam', 'adampm', 'adamw'),
+              help='optimizer')
+  _cli.option(parser, '--preset', default='tiny', choices=sorted(model_lib.PRESETS),
+              help='model size')
+  _cli.option(parser, '--steps', type=int, default=20, help='training steps')
+  _cli.option(parser, '--batch-size', type=int, default=16,
+              help='global batch, split over the devices')
+  _cli.option(parser, '--seq-len', type=int, default=32, help='tokens per sequence')
+  _cli.option(parser, '--lr', type=float, default=3e-3, help='learning rate')
+  _cli.option(parser, '--weight-decay', type=float, default=0.1, help='decoupled weight decay')
+  _cli.option(parser, '--data-dir', default=None, help='text directory; unset: the stdlib')
+  _cli.option(parser, '--check', action='store_true',
+              help='compare with single-device training on the whole batch')
+  _cli.option(parser, '--seed', type=int, default=0, help='weights, batches and router noise')
+  return parser
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--optimizer', default='skewadam', choices=('skewadam', 'adampm', 'adamw'))
-  parser.add_argument('--preset', default='tiny', choices=sorted(model_lib.PRESETS))
-  parser.add_argument('--steps', type=int, default=20)
-  parser.add_argument('--batch_size', type=int, default=16, help='global batch')
-  parser.add_argument('--seq_len', type=int, default=32)
-  parser.add_argument('--lr', type=float, default=3e-3)
-  parser.add_argument('--weight_decay', type=float, default=0.1)
-  parser.add_argument('--data_dir', default=None, help='text directory (default: stdlib)')
-  parser.add_argument('--check', action='store_true',
-                      help='compare with single-device training on the whole batch')
-  parser.add_argument('--seed', type=int, default=0)
-  return parser.parse_args(argv)
+  """The flags (`sys.argv[1:]` when `argv` is None)."""
+  return build_parser().parse_args(argv)
 
 
 def make_optimizer(name: str, lr: float, weight_decay: float) -> optax.GradientTransformation:

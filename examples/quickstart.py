@@ -23,6 +23,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import skewadam_jax as sj  # noqa: E402
+from examples import _cli  # noqa: E402
 from examples.moe_lm import data as data_lib  # noqa: E402
 from examples.moe_lm import model as model_lib  # noqa: E402
 
@@ -81,12 +82,21 @@ def train(steps: int, batch_size: int, lr: float) -> None:
         f'(uniform over 256 bytes: {jnp.log(256.0):.3f})')
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument('--batch-size', type=int, default=16)
-  parser.add_argument('--lr', type=float, default=3e-3)
-  args = parser.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (`--batch_size` is accepted for `--batch-size`)."""
+  parser = _cli.parser(__doc__.splitlines()[0])
+  _cli.option(parser, '--steps', type=int, default=200, help='training steps')
+  _cli.option(parser, '--batch-size', type=int, default=16, help='sequences per step')
+  _cli.option(parser, '--lr', type=float, default=3e-3, help='peak learning rate')
+  return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+  """Prints the memory table, then trains (`argv`: the flags, default `sys.argv`)."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.steps < 1:
+    parser.error(f'--steps must be >= 1, not {args.steps}')
   memory_table()
   train(args.steps, args.batch_size, args.lr)
 

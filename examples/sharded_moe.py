@@ -12,8 +12,10 @@ is imported). Run from the repository root::
 
   python examples/sharded_moe.py                       # skewadam, 2 x 4 mesh
   python examples/sharded_moe.py --optimizer adampm --steps 50 --preset small
-  python examples/sharded_moe.py --ckpt_dir /tmp/moe_ckpt --save_at 10
-  python examples/sharded_moe.py --ckpt_dir /tmp/moe_ckpt --resume 10 --mesh 4,2
+  python examples/sharded_moe.py --ckpt-dir /tmp/moe_ckpt --save-at 10
+  python examples/sharded_moe.py --ckpt-dir /tmp/moe_ckpt --resume 10 --mesh 4,2
+
+(Underscore spellings such as `--ckpt_dir` and `--save_at` work too.)
 
 It prints the loss, then the optimizer-state bytes held by each device next to what
 AdamW would hold under the same shardings (computed abstractly, nothing allocated).
@@ -45,6 +47,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from examples import _cli  # noqa: E402
 from examples import checkpointing  # noqa: E402
 from examples.moe_lm import data as data_lib  # noqa: E402
 from examples.moe_lm import model as model_lib  # noqa: E402
@@ -57,23 +60,46 @@ BATCH_SPEC = P('data')
 # ----------------------------------------------------------------------------- config
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (hyphenated flags; `--batch_size` etc. are accepted too)."""
+  parser = _cli.parser(__doc__.split('\n\n')[0])
+  _cli.option(parser, '--optimizer', default='skewadam', choices=('skewadam', 'adampm', 'adamw'),
+              help='optimizer')
+  _cli.option(parser, '--preset', default='tiny', choices=sorted(model_lib.PRESETS),
+              help='model size')
+  _cli.option(parser, '--mesh', default='2,4', help='data,expert mesh shape')
+  _cli.option(parser, '--steps', type=int, default=20,
+              help='train up to this step (also after --resume)')
+  _cli.option(parser, '--batch-size', type=int, default=8, help='global batch (sequences)')
+  _cli.option(parser, '--seq-len', type=int, default=32, help='tokens per sequence')
+  _cli.option(parser, '--lr', type=float, default=3e-3, help='learning rate')
+  _cli.option(parser, '--weight-decay', type=float, default=0.1, help='decoupled weight decay')
+  _cli.option(parser, '--group-size', type=int, default=8, help='AdamPM group size')
+  _cli.option(parser, '--data-dir', default=None, help='text directory; unset: the stdlib')
+  _cli.option(parser, '--ckpt-dir', default=None,
+              help='checkpoint directory (one subdirectory per step); needed by '
+                   '--save-at and --resume')
+  _cli.option(parser, '--save-at', type=int, default=None, help='save after this step')
+  _cli.option(parser, '--resume', type=int, default=None,
+              help='restore this step from --ckpt-dir, then train to --steps')
+  _cli.option(parser, '--seed', type=int, default=0, help='weights, batches and router noise')
+  return parser
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--optimizer', default='skewadam', choices=('skewadam', 'adampm', 'adamw'))
-  parser.add_argument('--preset', default='tiny', choices=sorted(model_lib.PRESETS))
-  parser.add_argument('--mesh', default='2,4', help='data,expert mesh shape')
-  parser.add_argument('--steps', type=int, default=20)
-  parser.add_argument('--batch_size', type=int, default=8)
-  parser.add_argument('--seq_len', type=int, default=32)
-  parser.add_argument('--lr', type=float, default=3e-3)
-  parser.add_argument('--weight_decay', type=float, default=0.1)
-  parser.add_argument('--group_size', type=int, default=8, help='AdamPM group size')
-  parser.add_argument('--data_dir', default=None, help='text directory (default: stdlib)')
-  parser.add_argument('--ckpt_dir', default=None, help='where checkpoints go')
-  parser.add_argument('--save_at', type=int, default=None, help='save after this step')
-  parser.add_argument('--resume', type=int, default=None, help='restore this step first')
-  parser.add_argument('--seed', type=int, default=0)
-  return parser.parse_args(argv)
+  """The flags, checked together (exits with a usage error, as argparse does)."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  for flag, value in (('--resume', args.resume), ('--save-at', args.save_at)):
+    if value is not None and args.ckpt_dir is None:
+      parser.error(f'{flag} needs --ckpt-dir, the directory of the checkpoints')
+  start = args.resume or 0
+  if not 0 <= start <= args.steps:
+    parser.error(f'--resume {start} is outside 0..--steps ({args.steps})')
+  if args.save_at is not None and not start < args.save_at <= args.steps:
+    parser.error(f'--save-at {args.save_at} is never reached: this run trains steps '
+                 f'{start + 1}..{args.steps}')
+  return args
 
 
 def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:

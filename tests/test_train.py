@@ -135,3 +135,54 @@ def test_muon_orthogonalises_matrices_and_experts_only():
       assert d is None, path
     else:
       assert d == optax.contrib.MuonDimensionNumbers(), path
+
+
+def test_zero_steps_evaluates_the_initial_model(tmp_path, capsys):
+  result = train_lib.main(['--preset', 'tiny', '--steps', '0', '--batch-size', '4',
+                           '--eval-batches', '1', '--out', str(tmp_path)])
+  assert result['history']['ce'] == []
+  assert [e['step'] for e in result['evals']] == [0]
+  # The untrained model is near uniform over 256 bytes.
+  assert result['final']['loss'] == pytest.approx(math.log(256), abs=0.1)
+  assert result['best'] == result['final']['loss']
+  assert result['timing']['tokens_per_s'] is None
+  saved = json.loads((tmp_path / 'skewadam.json').read_text())  # strict JSON: no NaN
+  assert saved['final'] == pytest.approx(result['final'])
+  row = f'| skewadam | {opt_lib.DEFAULT_LR["skewadam"]:g} | {result["final"]["loss"]:.4f} |'
+  assert row in capsys.readouterr().out
+  assert 'nan' not in train_lib.report(result).lower()
+
+
+def _fake_run(steps: int = 200) -> dict:
+  """A run record as `train` returns it, with a train curve falling from ln 256."""
+  ce = list(1.5 + (math.log(256) - 1.5) * np.exp(-np.arange(steps) / 20.0))
+  return {
+      'optimizer': {'optimizer': 'skewadam', 'lr': 3e-4},
+      'history': {'step': list(range(steps)), 'loss': ce, 'ce': ce},
+      'evals': [{'step': 100, 'loss': 1.62}, {'step': 200, 'loss': 1.55}],
+  }
+
+
+def test_plot_shows_the_whole_train_curve_and_says_val_has_no_router_noise(
+    tmp_path, monkeypatch):
+  import matplotlib.figure
+  figures = []
+  savefig = matplotlib.figure.Figure.savefig
+
+  def keep(fig, *args, **kwargs):
+    figures.append(fig)
+    return savefig(fig, *args, **kwargs)
+
+  monkeypatch.setattr(matplotlib.figure.Figure, 'savefig', keep)
+  run = _fake_run()
+  train_lib.plot_losses([run], tmp_path / 'loss.png')
+  assert (tmp_path / 'loss.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  (ax,) = figures[0].axes
+  lo, hi = ax.get_ylim()
+  ce = run['history']['ce']
+  assert lo <= min(ce) and hi >= max(ce)
+  train_line = next(line for line in ax.get_lines() if 'train' in line.get_label())
+  x, y = train_line.get_data()
+  assert x[0] == 1 and y[0] == pytest.approx(ce[0], rel=1e-6)  # the first step is drawn
+  texts = [t.get_text() for t in ax.get_legend().get_texts()] + [ax.get_title()]
+  assert any('no router noise' in t for t in texts)

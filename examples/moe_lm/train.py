@@ -47,6 +47,7 @@ if __package__ in (None, ''):
   sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import skewadam_jax as sj  # noqa: E402
+from examples import _cli  # noqa: E402
 from examples.moe_lm import data as data_lib  # noqa: E402
 from examples.moe_lm import model as model_lib  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
@@ -210,6 +211,7 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
   bar = tqdm(range(tc.steps), desc=desc or tc.optimizer, disable=not progress,
              dynamic_ncols=True, mininterval=1.0)
   start = time.perf_counter()
+  compile_s: Optional[float] = None  # stays None when no step runs
   pending = None
   for step in bar:
     t0 = time.perf_counter()
@@ -240,9 +242,15 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
       bar.set_postfix(loss=f'{history["loss"][-1]:.3f}', tok_s=f'{rate:,.0f}')
   if pending is not None:
     _record(history, *pending)
+  if not evals:  # `--steps 0`: the initial model, so that the report still has numbers
+    ev = evaluate(eval_step, params, rest, val_batches)
+    ev['step'] = 0
+    evals.append(ev)
   jax.block_until_ready(params)
   wall = time.perf_counter() - start
-  step_s = float(np.median(step_times)) if step_times else float('nan')
+  # The first step is compile time: with fewer than two steps there is no step time
+  # (None, not NaN, so that the JSON stays valid).
+  step_s = float(np.median(step_times)) if step_times else None
 
   final = evals[-1]
   return {
@@ -264,7 +272,8 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
       },
       'timing': {
           'wall_s': wall, 'compile_s': compile_s, 'median_step_s': step_s,
-          'tokens_per_s': tokens_per_step / step_s, 'tokens_per_step': tokens_per_step,
+          'tokens_per_s': tokens_per_step / step_s if step_s else None,
+          'tokens_per_step': tokens_per_step,
       },
       'machine': machine_info(),
   }
@@ -293,6 +302,11 @@ def machine_info() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- report
 
 
+def _num(x: Optional[float], spec: str) -> str:
+  """`format(x, spec)`, or `n/a` for a figure the run could not measure."""
+  return 'n/a' if x is None or math.isnan(x) else format(x, spec)
+
+
 def summary_table(results: list[dict[str, Any]]) -> str:
   """Markdown: final/best validation loss, bpb, ppl, state bytes, router balance, speed."""
   lines = ['| optimizer | lr | final val loss | best val loss | bits/byte | perplexity '
@@ -305,34 +319,62 @@ def summary_table(results: list[dict[str, Any]]) -> str:
         f'{f["loss"]:.4f} | {r["best"]:.4f} | {f["bpb"]:.4f} | {f["ppl"]:.3f} | '
         f'{r["memory"]["total_state_bytes"]:,} | '
         f'{r["router"].get("aux_over_floor", float("nan")):.4f} | '
-        f'{r["timing"]["tokens_per_s"]:,.0f} |')
+        f'{_num(r["timing"]["tokens_per_s"], ",.0f")} |')
   return '\n'.join(lines)
 
 
+def running_mean(x: list[float], k: int) -> np.ndarray:
+  """Trailing mean over up to `k` points; the first points average what exists so far.
+
+  Unlike `np.convolve(..., mode='valid')` it keeps the first points (the steep start of
+  the curve) instead of starting the curve `k - 1` steps late.
+  """
+  c = np.cumsum(np.asarray(x, np.float64))
+  n = np.arange(1, len(c) + 1)
+  lag = np.concatenate([np.zeros(1), c])[np.maximum(n - k, 0)]
+  return (c - lag) / np.minimum(n, k)
+
+
 def plot_losses(results: list[dict[str, Any]], path: Path, title: str = '') -> None:
-  """Training loss (smoothed, thin) and validation loss (markers) against step."""
+  """Training loss (running mean, thin) and validation loss (markers) against step.
+
+  The y axis is logarithmic with limits spanning every plotted point, so that both the
+  steep start near ln 256 and the small differences at the end stay visible.
+  """
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import LogLocator, MaxNLocator, ScalarFormatter
 
   fig, ax = plt.subplots(figsize=(8, 5))
+  shown: list[float] = []
   for i, r in enumerate(results):
     color = f'C{i % 10}'
     label = r.get('label', r['optimizer']['optimizer'])
     h = r['history']
-    if h['loss'] and len(results) <= 2:
-      k = max(1, len(h['loss']) // 50)
-      smooth = np.convolve(h['ce'], np.ones(k) / k, mode='valid')
-      ax.plot(np.asarray(h['step'][k - 1:]) + 1, smooth, color=color, alpha=0.35, lw=1,
-              label=f'{label} train CE')
-    ax.plot([e['step'] for e in r['evals']], [e['loss'] for e in r['evals']], 'o-',
-            color=color, ms=3, label=f'{label} val')
+    if h['ce'] and len(results) <= 2:  # more train curves would hide the val points
+      k = max(1, len(h['ce']) // 50)
+      smooth = running_mean(h['ce'], k)
+      ax.plot(np.asarray(h['step']) + 1, smooth, color=color, alpha=0.45, lw=1,
+              label=f'{label} train CE (router noise on'
+                    + (f', mean of {k} steps)' if k > 1 else ')'))
+      shown += [float(smooth.min()), float(smooth.max())]
+    vals = [e['loss'] for e in r['evals']]
+    ax.plot([e['step'] for e in r['evals']], vals, 'o-', color=color, ms=3,
+            label=f'{label} val (no router noise)')
+    shown += vals
   ax.set_xlabel('step')
-  ax.set_ylabel('cross-entropy (nats / byte)')
-  vals = [e['loss'] for r in results for e in r['evals']]
-  if vals:
-    ax.set_ylim(min(vals) - 0.1, min(max(vals) + 0.2, min(vals) + 2.5))
-  ax.grid(alpha=0.3)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.set_ylabel('cross-entropy (nats / byte, log scale)')
+  if shown:
+    ax.set_yscale('log')
+    ax.set_ylim(min(shown) * 0.97, max(shown) * 1.03)
+    # Plain numbers on minor ticks every 0.5 x 10^n too: the range is under a decade,
+    # so the 10^n major ticks alone would leave the axis unlabelled.
+    ax.yaxis.set_minor_locator(LogLocator(subs=np.arange(1.0, 10.0, 0.5)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+  ax.grid(alpha=0.3, which='both')
   ax.legend(fontsize=7)
   ax.set_title(title or 'MoE byte-level LM')
   fig.tight_layout()
@@ -374,35 +416,58 @@ def report(result: dict[str, Any]) -> str:
     for i, row in enumerate(frac):
       lines.append(f'| {i} | {" ".join(f"{x:.3f}" for x in row)} |')
   t = r['timing']
-  lines += ['', f'{t["tokens_per_s"]:,.0f} tokens/s (median step {1e3 * t["median_step_s"]:.0f}'
-            f' ms), compile {t["compile_s"]:.1f} s, wall {t["wall_s"]:.1f} s on '
-            f'{r["machine"]["cpu_count"]} CPU cores ({r["machine"]["backend"]}).']
+  step_ms = None if t['median_step_s'] is None else 1e3 * t['median_step_s']
+  lines += ['', f'{_num(t["tokens_per_s"], ",.0f")} tokens/s (median step '
+            f'{_num(step_ms, ".0f")} ms), compile {_num(t["compile_s"], ".1f")} s, wall '
+            f'{t["wall_s"]:.1f} s on {r["machine"]["cpu_count"]} CPU cores '
+            f'({r["machine"]["backend"]}).']
   return '\n'.join(lines)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (flags are `TrainConfig`'s fields; underscores accepted too)."""
   d = TrainConfig()
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--optimizer', default=d.optimizer, choices=opt_lib.OPTIMIZERS)
-  p.add_argument('--preset', default=d.preset, choices=sorted(model_lib.PRESETS))
-  p.add_argument('--steps', type=int, default=d.steps)
-  p.add_argument('--batch-size', type=int, default=d.batch_size)
-  p.add_argument('--seq-len', type=int, default=d.seq_len,
-                 help="tokens per example (default: the preset's max_len)")
-  p.add_argument('--lr', type=float, default=d.lr,
-                 help='peak learning rate (default: per optimizer, see optimizers.py)')
-  p.add_argument('--warmup', type=int, default=d.warmup)
-  p.add_argument('--weight-decay', type=float, default=d.weight_decay)
-  p.add_argument('--eval-every', type=int, default=d.eval_every)
-  p.add_argument('--eval-batches', type=int, default=d.eval_batches)
-  p.add_argument('--seed', type=int, default=d.seed)
-  p.add_argument('--bf16', action='store_true',
-                 help='bf16 weights (norms, router fp32), stochastic rounding')
-  p.add_argument('--data-dir', default=d.data_dir,
-                 help='any local directory of text files (default: the Python stdlib)')
-  p.add_argument('--suffixes', nargs='+', default=list(d.suffixes))
-  p.add_argument('--out', default=d.out)
+  p = _cli.parser(__doc__.splitlines()[0])
+  _cli.option(p, '--optimizer', default=d.optimizer, choices=opt_lib.OPTIMIZERS,
+              help='optimizer (see optimizers.py)')
+  _cli.option(p, '--preset', default=d.preset, choices=sorted(model_lib.PRESETS),
+              help='model size')
+  _cli.option(p, '--steps', type=int, default=d.steps,
+              help='training steps (0: evaluate the initial model only)')
+  _cli.option(p, '--batch-size', type=int, default=d.batch_size, help='sequences per step')
+  _cli.option(p, '--seq-len', type=int, default=d.seq_len,
+              help="tokens per sequence; unset: the preset's max_len")
+  _cli.option(p, '--lr', type=float, default=d.lr,
+              help='peak learning rate; unset: per optimizer, see optimizers.py')
+  _cli.option(p, '--warmup', type=int, default=d.warmup, help='linear warmup steps')
+  _cli.option(p, '--weight-decay', type=float, default=d.weight_decay,
+              help='decoupled weight decay')
+  _cli.option(p, '--eval-every', type=int, default=d.eval_every,
+              help='validate every this many steps (and after the last)')
+  _cli.option(p, '--eval-batches', type=int, default=d.eval_batches,
+              help='validation batches per evaluation')
+  _cli.option(p, '--seed', type=int, default=d.seed, help='weights, batches and router noise')
+  _cli.option(p, '--bf16', action='store_true',
+              help='bf16 weights (norms, router fp32), stochastic rounding')
+  _cli.option(p, '--data-dir', default=d.data_dir,
+              help='any local directory of text files; unset: the Python stdlib')
+  _cli.option(p, '--suffixes', nargs='+', default=list(d.suffixes),
+              help='file name endings to read under --data-dir')
+  _cli.option(p, '--out', default=d.out, help='directory for the JSON, PNG and markdown')
+  return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
+  """`TrainConfig` from the command line (`sys.argv[1:]` when `argv` is None)."""
+  p = build_parser()
   a = p.parse_args(argv)
+  for flag, value in (('--steps', a.steps), ('--warmup', a.warmup)):
+    if value < 0:
+      p.error(f'{flag} must be >= 0, not {value}')
+  for flag, value in (('--batch-size', a.batch_size), ('--eval-every', a.eval_every),
+                      ('--eval-batches', a.eval_batches)):
+    if value < 1:
+      p.error(f'{flag} must be >= 1, not {value}')
   return TrainConfig(
       optimizer=a.optimizer, preset=a.preset, steps=a.steps, batch_size=a.batch_size,
       seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
@@ -411,6 +476,7 @@ def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+  """Trains from the command line, writes the outputs and returns the run record."""
   tc = parse_args(argv)
   cfg = model_config(tc)
   data = load_data(tc, cfg)

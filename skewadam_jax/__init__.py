@@ -7,8 +7,11 @@ pooled over groups of neighbouring elements), as composable optax transformation
 from skewadam_jax._alias import adampm
 from skewadam_jax._alias import skewadam
 from skewadam_jax._alias import tier_labeler
+from skewadam_jax._exact import Exact
+from skewadam_jax._factored import Factored
 from skewadam_jax._factored import row_col_means
 from skewadam_jax._grouped import expand_groups
+from skewadam_jax._grouped import Grouped
 from skewadam_jax._grouped import GroupedSecondMomentState
 from skewadam_jax._grouped import grouped_shape
 from skewadam_jax._grouped import groupmean
@@ -34,6 +37,8 @@ from skewadam_jax._memory import TierMemory
 from skewadam_jax._memory import tree_bytes
 from skewadam_jax._rounding import apply_updates_stochastic
 from skewadam_jax._rounding import stochastic_round
+from skewadam_jax._second_moment import SecondMoment
+from skewadam_jax._second_moment import Step
 from skewadam_jax._sharding import sharded_abstract_state
 from skewadam_jax._sharding import state_shardings
 from skewadam_jax._tiered import EPS_MODES
@@ -49,11 +54,16 @@ __all__ = (
     'DEFAULT_RULES',
     'DEFAULT_TIER',
     'EPS_MODES',
+    'Exact',
+    'Factored',
+    'Grouped',
     'GroupedSecondMomentState',
     'LeafReport',
     'MemoryReport',
     'PUBLISHED_TIERS',
     'SECOND_MOMENTS',
+    'SecondMoment',
+    'Step',
     'Tier',
     'TierMemory',
     'TieredAdamState',

@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import jax
 import optax
 
+from skewadam_jax import _checks
 from skewadam_jax import _grouped
 from skewadam_jax import _labels
 from skewadam_jax import _tiered
@@ -89,6 +90,7 @@ def skewadam(
     Where Should Optimizer State Live? Tiered State Allocation for Memory-Efficient
     Mixture-of-Experts Training, arXiv 2607.19058.
   """
+  _checks.check_learning_rate(learning_rate)
   tiers = _check_tiers(tiers)
   labeler = tier_labeler(tiers, param_labels)
   transforms = {name: _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier)
@@ -152,6 +154,7 @@ def adampm(
     AdamPM: Adam with a pooled second moment (Beihang University preprint).
     Loshchilov & Hutter, Decoupled Weight Decay Regularization, 2019.
   """
+  _checks.check_learning_rate(learning_rate)
   return optax.chain(
       _grouped.scale_by_grouped_second_moment(
           b1, b2, eps, group_size=group_size, axis=axis, mu_dtype=mu_dtype,

@@ -7,8 +7,9 @@ pass through unchanged so that they can still be traced.
 
 from __future__ import annotations
 
+import difflib
 import numbers
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,17 @@ def check_beta(name: str, value: Any) -> None:
   """Raises if a concrete decay rate lies outside [0, 1)."""
   if is_concrete_number(value) and not 0.0 <= float(value) < 1.0:
     raise ValueError(f'`{name}` must be in [0, 1), got {value!r}.')
+
+
+def check_learning_rate(value: Any) -> None:
+  """Raises unless `value` is a number, a scalar array or a schedule (a callable)."""
+  if callable(value) or is_concrete_number(value):
+    return
+  if isinstance(value, (jax.Array, np.ndarray, np.number)) and np.ndim(value) == 0 and (
+      jnp.issubdtype(jnp.result_type(value), jnp.number)):
+    return
+  raise TypeError('`learning_rate` must be a float, a scalar array or an optax schedule '
+                  f'(a callable of the step count), got {type(value).__name__} {value!r}.')
 
 
 def check_non_negative(name: str, value: Any) -> None:
@@ -97,10 +109,24 @@ def check_float_dtype(name: str, value: Any) -> Any:
   return dtype
 
 
-def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+def did_you_mean(value: Any, allowed: Iterable[str]) -> str:
+  """' (did you mean 'x'?)' for the closest of `allowed`, or '' if none is close."""
+  if not isinstance(value, str):
+    return ''
+  close = difflib.get_close_matches(value, list(allowed), n=1, cutoff=0.6)
+  return f' (did you mean {close[0]!r}?)' if close else ''
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...], also: str = '') -> str:
   """Returns `value` if it is one of `allowed`; raises otherwise."""
-  if value not in allowed:
-    raise ValueError(f'`{name}` must be one of {allowed}, got {value!r}.')
+  try:
+    ok = value in allowed
+  except TypeError:  # unhashable or uncomparable
+    ok = False
+  if not ok:
+    extra = f'; {also}' if also else ''
+    raise ValueError(f'`{name}` must be one of {allowed}, got {value!r}'
+                     f'{did_you_mean(value, allowed)}{extra}.')
   return value
 
 
@@ -114,5 +140,7 @@ def check_float_leaf(path: str, dtype: Any, where: str) -> None:
         'parts, or exclude them with a mask).')
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
-        f'{where}: parameter {path} has non-floating dtype {dtype}; mask integer '
-        'or boolean leaves out (e.g. `optax.masked` or the `mask` argument).')
+        f'{where}: parameter {path} has non-floating dtype {dtype}; mask integer or '
+        'boolean leaves out: give the optimizer only the floating parameters (e.g. '
+        '`nnx.Optimizer(model, tx, wrt=nnx.Param)`), or wrap it as `optax.masked(tx, '
+        'mask)` with `mask` False on this leaf.')

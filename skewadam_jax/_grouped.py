@@ -1,22 +1,47 @@
-"""AdamPM: Adam with a second moment pooled over groups of neighbouring elements.
+"""The grouped second moment (AdamPM): `g^2` pooled over groups of neighbours.
 
-The second moment of each leaf is shared by runs of `group_size` consecutive elements
-along one axis. Pooling happens *before* the moving average, so only the pooled
-estimate (`ceil(n / group_size)` entries along the axis) is ever stored.
+The second moment of each leaf is shared by runs of `s = group_size` consecutive
+elements along one axis. Pooling happens *before* the moving average, so only the
+pooled estimate (`ceil(n / s)` entries along the axis) is ever stored::
+
+  nu <- b2 nu + (1 - b2) groupmean_s(g^2)
+  D   = sqrt(max(expand_s(nu), eps))                  eps_mode 'floor' (u = x num_scale / D)
+  u   = x num_scale / (expand_s(sqrt(nu / bc2)) + eps)     eps_mode 'adam'
+
+`groupmean_s` averages consecutive runs of `s` elements (a short last group over its
+real elements, which equals padding it with its own mean) and `expand_s` repeats each
+group value `s` times and crops. Pooling and the moving average are both linear, so
+`nu` equals `groupmean_s` of Adam's `v` exactly, and `s = 1` is Adam.
+
+One implementation serves both users: `Grouped` is the estimator of a `'grouped'`
+SkewAdam tier, and `scale_by_grouped_second_moment` (AdamPM) is momentum plus the same
+estimator, with Adam's `(m / bc1) / (sqrt(nu_hat) + eps)`.
+
+References:
+  AdamPM: Adam with a pooled second moment (Beihang University preprint).
+  Kingma & Ba, Adam: A Method for Stochastic Optimization, 2015.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec
 
 from skewadam_jax import _checks
+from skewadam_jax import _exact
+from skewadam_jax import _second_moment
 from skewadam_jax import _tree
+from skewadam_jax._second_moment import Spec
+from skewadam_jax._second_moment import Stats
+from skewadam_jax._second_moment import Step
 
 
 def num_groups(n: int, group_size: int) -> int:
@@ -81,17 +106,22 @@ def check_whole_groups(x: Any, group_size: int, axis: Optional[int], path: str =
   groups, i.e. when `group_size` divides the shard length.
   """
   entry, shards = axis_shards(x, axis)
-  if shards > 1 and group_size > 1:
-    n = x.shape[axis]
-    shard_len = n // shards
-    if n % shards or shard_len % group_size:
-      raise ValueError(
-          f'Cannot pool parameter {path} in groups of group_size={group_size} along axis '
-          f'{axis}: that axis (length {n}) is sharded over mesh axis {entry!r} into '
-          f'{shards} shards of shard length {shard_len}, and a group would straddle two '
-          f'shards. Use a group size that divides {shard_len}, pool along an unsharded '
-          'axis (`axis=` / `group_axis=`), or shard this axis differently.')
+  if axis is not None:
+    check_groups_fit(path, x.shape[axis], group_size, axis, entry, shards)
   return shards
+
+
+def check_groups_fit(path: str, n: int, group_size: int, axis: int, entry: Any, shards: int
+                     ) -> None:
+  """Raises if groups of `group_size` along an axis of length `n` straddle its shards."""
+  if shards > 1 and group_size > 1 and (n % shards or (n // shards) % group_size):
+    shard_len = n // shards
+    raise ValueError(
+        f'Cannot pool parameter {path} in groups of group_size={group_size} along axis '
+        f'{axis}: that axis (length {n}) is sharded over mesh axis {entry!r} into '
+        f'{shards} shards of shard length {shard_len}, and a group would straddle two '
+        f'shards. Use a group size that divides {shard_len}, pool along an unsharded '
+        'axis (`axis=` / `group_axis=`), or shard this axis differently.')
 
 
 def _sharded_spec(x: Any) -> Any:
@@ -198,12 +228,139 @@ def expand_groups(nu: jax.Array, group_size: int, axis: Optional[int], n: int
   """Repeats each group value `group_size` times along `axis` and crops to `n`."""
   if axis is None or group_size == 1:
     return nu
-  if axis_shards(nu, axis)[1] > 1:
+  if axis_shards(nu, axis)[0] is not None:  # named in an Explicit spec, even if 1 shard
     return _expand_groups_sharded(nu, group_size, axis)
   # A gather with iota indices fuses into the consumer's loop in XLA, unlike
   # repeat + slice, so the full-size expanded array is never materialised.
   index = jnp.arange(n, dtype=jnp.int32) // group_size
   return jnp.take(nu, index, axis=axis, mode='clip')
+
+
+def _group_counts(n: int, group_size: int, ndim_after: int) -> np.ndarray:
+  """Real elements per group along an axis of length `n`, shaped to broadcast."""
+  counts = np.minimum(n - group_size * np.arange(num_groups(n, group_size)), group_size)
+  return counts.astype(np.float32).reshape((-1,) + (1,) * ndim_after)
+
+
+def _pooled_clip_divisor(pooled_sq: jax.Array, denom: jax.Array, num_scale: Any,
+                         shape: tuple[int, ...], axis: int, group_size: int, clip: float
+                         ) -> jax.Array:
+  """`max(1, rms(u) / clip)` of `u = g * num_scale / expand(denom)` from pooled arrays.
+
+  `pooled_sq` is the group mean of `g^2`, so `pooled_sq * count` is the group's sum of
+  squares; no pass over the full-size leaf is needed.
+  """
+  counts = _group_counts(shape[axis], group_size, len(shape) - axis - 1)
+  terms = pooled_sq * jnp.asarray(counts) * jnp.square(num_scale / denom)
+  axes = (-2, -1) if len(shape) >= 2 else None
+  size = shape[-2] * shape[-1] if len(shape) >= 2 else max(int(np.prod(shape)), 1)
+  rms = jnp.sqrt(jnp.sum(terms, axis=axes, keepdims=len(shape) >= 2) / size)
+  return jnp.maximum(1.0, rms / clip)
+
+
+def _reshaped_clip_divisor(x: jax.Array, denom: jax.Array, num_scale: Any,
+                           shape: tuple[int, ...], axis: int, group_size: int, clip: float
+                           ) -> jax.Array:
+  """`max(1, rms(u) / clip)` of `u = x * num_scale / expand(denom)`, when groups divide.
+
+  The expansion is a broadcast over a reshape `[..., n / s, s, ...]`, which XLA keeps
+  inside the reduction, so nothing of the leaf's size is materialised.
+  """
+  x, denom, num_scale = jax.lax.optimization_barrier((x, denom, num_scale))
+  n, s = shape[axis], group_size
+  grouped = x.reshape(shape[:axis] + (n // s, s) + shape[axis + 1:]).astype(jnp.float32)
+  u = grouped * num_scale / jnp.expand_dims(denom, axis + 1)
+  if len(shape) >= 2:
+    ms = jnp.sum(u * u, axis=(-3, -2, -1)) / (shape[-2] * shape[-1])
+    ms = ms.reshape(shape[:-2] + (1, 1))
+  else:
+    ms = jnp.mean(u * u)
+  return jnp.maximum(1.0, jnp.sqrt(ms) / clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped(_second_moment.SecondMoment):
+  """AdamPM's pooled second moment: one float32 value per `group_size` neighbours.
+
+  Attributes:
+    group_size: elements per group (static positive int).
+    axis: the axis pooled along (negative allowed); 1-D leaves are pooled along their
+      only axis, and 0-d leaves get the exact estimator.
+    axis_arg: the argument name that `axis` came from, for error messages.
+  """
+
+  group_size: int = 8
+  axis: int = -1
+  axis_arg: str = dataclasses.field(default='axis', compare=False)
+  name = 'grouped'
+
+  def __post_init__(self):
+    _checks.check_positive_int('group_size', self.group_size)
+    _checks.check_axis(self.axis, self.axis_arg)
+
+  def for_leaf(self, shape: tuple[int, ...]) -> _second_moment.SecondMoment:
+    return self if len(shape) >= 1 else _exact.EXACT
+
+  def leaf_axis(self, shape: tuple[int, ...], path: str) -> Optional[int]:
+    """The non-negative axis a leaf of `shape` is pooled along (None for 0-d)."""
+    return resolve_axis(len(shape), self.axis, path, self.axis_arg)
+
+  def init(self, param: Any, path: str, dtype: Any = jnp.float32) -> Stats:
+    ax = self.leaf_axis(tuple(param.shape), path)
+    check_whole_groups(param, self.group_size, ax, path)
+    return {'v': zero_grouped(param, self.group_size, ax, jnp.dtype(dtype))}
+
+  def accumulate(self, nu: jax.Array, g32: jax.Array, b2: Any, path: str
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The new pooled moment (as stored in `nu`'s dtype, in float32) and groupmean(g^2)."""
+    pooled_sq = groupmean(g32 * g32, self.group_size, self.leaf_axis(g32.shape, path))
+    nu32 = (b2 * nu.astype(jnp.float32) + (1.0 - b2) * pooled_sq
+            ).astype(nu.dtype).astype(jnp.float32)
+    return nu32, pooled_sq
+
+  def expand(self, pooled: jax.Array, shape: tuple[int, ...], path: str) -> jax.Array:
+    """`expand_s`: a pooled array back to the leaf's `shape`."""
+    ax = self.leaf_axis(shape, path)
+    return expand_groups(pooled, self.group_size, ax, shape[ax] if ax is not None else 1)
+
+  def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
+             ) -> tuple[jax.Array, Stats]:
+    shape, path = tuple(g.shape), step.path
+    v, pooled_sq = self.accumulate(stats['v'], g.astype(jnp.float32), step.b2, path)
+    # The denominator at the pooled resolution, expanded inside the final pass.
+    denom = (jnp.sqrt(jnp.maximum(v, step.eps)) if step.floor
+             else jnp.sqrt(v / step.bc2) + step.eps)
+    u = x.astype(jnp.float32) * step.num_scale / self.expand(denom, shape, path)
+    if step.clip is not None:
+      u = u / self._clip_divisor(x, pooled_sq, denom, shape, step)
+    return u, {'v': v}
+
+  def _clip_divisor(self, x: jax.Array, pooled_sq: jax.Array, denom: jax.Array,
+                    shape: tuple[int, ...], step: Step) -> jax.Array:
+    """`max(1, rms(u) / clip)` per matrix, from pooled arrays where the layout allows."""
+    ax, s = self.leaf_axis(shape, step.path), self.group_size
+    inside = len(shape) < 2 or ax >= len(shape) - 2  # groups lie inside one matrix
+    if inside and step.x_is_grad:
+      # sum(u^2) = sum over groups of num_scale^2 * (sum of g^2 in the group) / denom^2:
+      # the statistic itself gives it, no pass over the leaf is needed.
+      return _pooled_clip_divisor(pooled_sq, denom, step.num_scale, shape, ax, s, step.clip)
+    if inside and shape[ax] % s == 0:
+      return _reshaped_clip_divisor(x, denom, step.num_scale, shape, ax, s, step.clip)
+    # u recomputed in the reduction (expand is a gather there: a full-size temporary).
+    expand = functools.partial(self.expand, shape=shape, path=step.path)
+    return _second_moment.clip_divisor(
+        lambda x_, d, scale: x_.astype(jnp.float32) * scale / expand(d),
+        (x, denom, step.num_scale), len(shape), step.clip)
+
+  def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
+            ) -> Mapping[str, Any]:
+    ax = self.leaf_axis(shape, path)
+    if ax is not None and mesh is not None:
+      entry = spec[ax]
+      names = entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+      shards = int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
+      check_groups_fit(path, shape[ax], self.group_size, ax, entry, shards)
+    return {'v': PartitionSpec(*spec)}
 
 
 class GroupedSecondMomentState(NamedTuple):
@@ -254,6 +411,8 @@ def scale_by_grouped_second_moment(
     >>> tx = optax.chain(sj.scale_by_grouped_second_moment(group_size=8),
     ...                  optax.scale(-1e-3))
     >>> state = tx.init({'w': jnp.zeros((4, 16))})
+    >>> state[0].nu['w'].shape
+    (4, 2)
 
   References:
     AdamPM: Adam with a pooled second moment (Beihang University preprint).
@@ -266,23 +425,18 @@ def scale_by_grouped_second_moment(
   axis = _checks.check_axis(axis)
   mu_dtype = _checks.check_float_dtype('mu_dtype', mu_dtype)
   nu_dtype = _checks.check_float_dtype('nu_dtype', nu_dtype)
-
-  def leaf_axis(path: str, p: Any) -> Optional[int]:
-    return resolve_axis(len(p.shape), axis, path)
+  estimator = Grouped(group_size, axis)
 
   def init_fn(params):
     leaves, treedef = _tree.flatten_with_paths(params)
     mus, nus = [], []
     for path, p in leaves:
       _checks.check_float_leaf(path, p.dtype, 'scale_by_grouped_second_moment')
-      ax = leaf_axis(path, p)
-      check_whole_groups(p, group_size, ax, path)
       mus.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
-      nus.append(zero_grouped(p, group_size, ax, jnp.dtype(nu_dtype or p.dtype)))
+      nus.append(estimator.init(p, path, dtype=nu_dtype or p.dtype)['v'])
+      _second_moment.record_leaf(path, estimator, tuple(p.shape), mus[-1], {'v': nus[-1]})
     return GroupedSecondMomentState(
-        count=jnp.zeros([], jnp.int32),
-        mu=treedef.unflatten(mus),
-        nu=treedef.unflatten(nus))
+        count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mus), nu=treedef.unflatten(nus))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args  # unused; accepted so that the transform chains like optax's
@@ -295,32 +449,18 @@ def scale_by_grouped_second_moment(
     bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
     new_u, new_mu, new_nu = [], [], []
     for (path, g), mu, nu in zip(leaves, mus, nus):
-      ax = leaf_axis(path, g)
       g32 = g.astype(jnp.float32)
       # The update reads the stored (cast) moments, so that the final fused pass
       # consumes the new state instead of recomputing it from the old one (which would
       # make XLA keep a copy of the old state, and re-pool g^2 per element). With
       # float32 state (the default for float32 parameters) the casts are no-ops.
       mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32).astype(mu.dtype)
-      nu32 = (b2 * nu.astype(jnp.float32) + (1.0 - b2) * groupmean(g32 * g32, group_size, ax)
-              ).astype(nu.dtype).astype(jnp.float32)
-      n = g.shape[ax] if ax is not None else 1
-      denom = jnp.sqrt(expand_groups(nu32 / bc2, group_size, ax, n)) + eps
-      u = (mu.astype(jnp.float32) / bc1) / denom
-      new_u.append(u.astype(g.dtype))
+      nu32, _ = estimator.accumulate(nu, g32, b2, path)
+      denom = estimator.expand(jnp.sqrt(nu32 / bc2) + eps, tuple(g.shape), path)
+      new_u.append(((mu.astype(jnp.float32) / bc1) / denom).astype(g.dtype))
       new_mu.append(mu)
       new_nu.append(nu32.astype(nu.dtype))
     return treedef.unflatten(new_u), GroupedSecondMomentState(
         count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-__all__ = [
-    'GroupedSecondMomentState',
-    'expand_groups',
-    'groupmean',
-    'grouped_shape',
-    'num_groups',
-    'scale_by_grouped_second_moment',
-]

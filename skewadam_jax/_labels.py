@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 
+from skewadam_jax import _checks
 from skewadam_jax import _tree
 
 Rule = tuple[str, str]  # (pattern, tier): pattern is '/'-separated segment globs.
@@ -160,8 +161,9 @@ def expand_labels(params: Any, labels: Any, tiers: Mapping[str, Any]) -> Any:
         '`param_labels` must be a pytree with the same structure as the params (or a '
         'prefix of it, or a function returning one); got a label tree that does not '
         f'match the params: {e}') from None
-  unknown = sorted({repr(x) for x in jax.tree_util.tree_leaves(full) if x not in tiers})
+  unknown = sorted({x for x in jax.tree_util.tree_leaves(full) if x not in tiers}, key=repr)
   if unknown:
-    raise ValueError(f'`param_labels` names tiers {unknown} that are not in `tiers`; '
-                     f'allowed tier names are {sorted(tiers)}.')
+    hint = _checks.did_you_mean(unknown[0], [str(t) for t in tiers])
+    raise ValueError(f'`param_labels` names tiers {[repr(x) for x in unknown]} that are not '
+                     f'in `tiers`; allowed tier names are {sorted(tiers)}{hint}.')
   return full

@@ -145,6 +145,9 @@ def memory_report(params: Any, tx: optax.GradientTransformation, *,
   Returns:
     A `MemoryReport`; `.format()` renders it as a markdown table.
   """
+  if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
+    raise TypeError('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
+                    f'or optax.adamw(1e-3)), got {type(tx).__name__} {tx!r}.')
   labels = _labels.resolve_labels(params, param_labels)
   flat_labels = jax.tree_util.tree_structure(params).flatten_up_to(labels)
   by_label = state_bytes_by_label(abstract_state(tx, params), params, labels)
@@ -186,10 +189,11 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
   for (path, p), label in zip(leaves, treedef.flatten_up_to(labels)):
     tier = tiers[label]
     abstract = jax.ShapeDtypeStruct(tuple(p.shape), p.dtype)
-    state = jax.eval_shape(_tiered.scale_by_tiered_adam(tier=tier).init, abstract)
+    state = jax.eval_shape(lambda a, tier=tier, path=path: _tiered.init_leaf(tier, path, a),
+                           abstract)
     rows.append(_labels.LeafReport(
         path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)), tier=label,
-        second_moment=_tiered.leaf_kind(tuple(p.shape), tier),
+        second_moment=_tiered.leaf_estimator(tuple(p.shape), tier).name,
         param_bytes=leaf_bytes(p), state_bytes=state_bytes(state)))
   return rows
 

@@ -12,6 +12,11 @@ shardings must be given, and a state leaf does not always have its parameter's r
   which needs every shard to hold whole groups;
 * step counts, hyperparameters and anything not following the params: replicated.
 
+Each statistic's spec comes from the estimator that made it (`SecondMoment.specs`):
+while `state_shardings` traces the optimizer's `init`, every estimator records which
+state leaves are its statistics, of which parameter. State of other optax transforms
+(AdamW's `mu`/`nu`, Adafactor's factors) is matched to the params by shape.
+
 `optax.tree_utils.tree_map_params` hands every params-shaped subtree the parameter's
 full-rank spec, which is wrong for the reduced statistics (and it cannot even run our
 `init`, which reads shapes); `state_shardings` derives each leaf's spec from the axes
@@ -30,15 +35,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from jax.sharding import Sharding
 
-from skewadam_jax import _grouped
-from skewadam_jax import _tiered
+from skewadam_jax import _second_moment
 from skewadam_jax import _tree
-
-# How a state leaf that follows the params keeps its parameter's axes.
-SAME = 'same'  # rank of the parameter; some axes may be shortened (pooled)
-DROP_LAST = 'drop_last'  # factored rows [..., R]
-DROP_SECOND_LAST = 'drop_second_last'  # factored columns [..., C]
-INFER = 'infer'  # unknown state: decided from the shapes
 
 Spec = tuple[Any, ...]  # one PartitionSpec entry per dimension
 
@@ -70,42 +68,42 @@ def _shards(entry: Any, mesh: Optional[Mesh]) -> int:
 
 def _check_shortened_axes(path: str, param_shape: tuple[int, ...], leaf_shape: tuple[int, ...],
                           spec: Spec, mesh: Optional[Mesh]) -> None:
-  """Raises if a pooled axis keeps a sharding under which groups straddle shards."""
-  for axis, (n, groups) in enumerate(zip(param_shape, leaf_shape)):
+  """Raises if a shortened axis of an unknown statistic cannot keep its sharding."""
+  for axis, (n, m) in enumerate(zip(param_shape, leaf_shape)):
     shards = _shards(spec[axis], mesh)
-    if n == groups or shards == 1:
+    if n == m or shards == 1:
       continue
-    group_size = -(-n // groups)
-    if n % groups or groups % shards or n % shards:
+    if n % shards or m % shards:
       raise ValueError(
-          f'Parameter {path} of shape {param_shape} is pooled along axis {axis} into '
-          f'{groups} groups of group_size={group_size}, but that axis is sharded over '
-          f'mesh axis {spec[axis]!r} into {shards} shards of shard length {n // shards}: '
-          'a group would straddle two shards. Use a group size that divides the shard '
-          'length, pool along an unsharded axis, or shard this axis differently.')
+          f'A state leaf of parameter {path} of shape {param_shape} shortens axis {axis} '
+          f'to {m}, but that axis is sharded over mesh axis {spec[axis]!r} into {shards} '
+          'shards, which divide neither length evenly. Shard this axis differently.')
 
 
-def _leaf_spec(rule: str, path: str, param_shape: tuple[int, ...], param_spec: Any,
-               leaf: Any, mesh: Optional[Mesh]) -> PartitionSpec:
-  """The spec of one state leaf that follows a parameter, from the axes it keeps."""
+def _leaf_spec(path: str, param_shape: tuple[int, ...], param_spec: Any, leaf: Any,
+               mesh: Optional[Mesh]) -> PartitionSpec:
+  """The spec of a state leaf of another transform that follows a parameter (by shape)."""
   shape = tuple(leaf.shape)
-  if shape == param_shape and rule in (SAME, INFER):
+  if shape == param_shape:
     return param_spec if isinstance(param_spec, PartitionSpec) else PartitionSpec()
   spec = _padded(param_spec, len(param_shape))
-  if rule == DROP_LAST and shape == param_shape[:-1]:
-    return PartitionSpec(*spec[:-1])
-  if rule == DROP_SECOND_LAST and shape == param_shape[:-2] + param_shape[-1:]:
-    return PartitionSpec(*spec[:-2], *spec[-1:])
   if len(shape) == len(param_shape) and all(s <= n for s, n in zip(shape, param_shape)):
     _check_shortened_axes(path, param_shape, shape, spec, mesh)
     return PartitionSpec(*spec)
   if len(shape) == len(param_shape) - 1:
-    # An unknown reduced statistic: keep the spec if the dropped axis is unambiguous.
+    # A reduced statistic: keep the spec if the dropped axis is unambiguous.
     candidates = {spec[:i] + spec[i + 1:] for i in range(len(param_shape))
                   if param_shape[:i] + param_shape[i + 1:] == shape}
     if len(candidates) == 1:
       return PartitionSpec(*candidates.pop())
   return _replicated(leaf)  # safe default
+
+
+class _Known:
+  """A state leaf whose spec its estimator gave; the shape-based walk keeps it."""
+
+  def __init__(self, spec: PartitionSpec):
+    self.spec = spec
 
 
 def _replicated(leaf: Any) -> PartitionSpec:
@@ -125,7 +123,7 @@ class _Mapper:
     self.mesh = mesh
     self.params_is_leaf = jax.tree_util.treedef_is_leaf(self.params_def)
 
-  def follow(self, node: Any, rule: str) -> Any:
+  def follow(self, node: Any) -> Any:
     """Specs of a subtree with the params' structure (masked leaves stay masked).
 
     Returns None if `node` does not have the params' structure.
@@ -136,32 +134,23 @@ class _Mapper:
       return None
     out = []
     for sub, path, shape, spec in zip(subtrees, self.paths, self.shapes, self.specs):
-      if _is_array_like(sub):
-        out.append(_leaf_spec(rule, path, shape, spec, sub, self.mesh))
+      if isinstance(sub, _Known):
+        out.append(sub.spec)
+      elif _is_array_like(sub):
+        out.append(_leaf_spec(path, shape, spec, sub, self.mesh))
       else:  # optax.MaskedNode, None, or a container of unrelated leaves
         out.append(jax.tree.map(_replicated, sub))
     return self.params_def.unflatten(out)
 
-  def field(self, node: Any, rule: str) -> Any:
-    """Specs of a state field that is known to follow the params with `rule`."""
-    followed = self.follow(node, rule)
-    return followed if followed is not None else self(node)
-
   def __call__(self, node: Any) -> Any:
-    if isinstance(node, _tiered.TieredAdamState):
-      return _tiered.TieredAdamState(
-          count=self(node.count), mu=self.field(node.mu, SAME),
-          v_row=self.field(node.v_row, DROP_LAST),
-          v_col=self.field(node.v_col, DROP_SECOND_LAST), v=self.field(node.v, SAME))
-    if isinstance(node, _grouped.GroupedSecondMomentState):
-      return _grouped.GroupedSecondMomentState(
-          count=self(node.count), mu=self.field(node.mu, SAME), nu=self.field(node.nu, SAME))
+    if isinstance(node, _Known):
+      return node.spec
     if _is_array_like(node):
       # Only a single-array params tree can be followed by a lone array.
-      followed = self.follow(node, INFER) if self.params_is_leaf else None
+      followed = self.follow(node) if self.params_is_leaf else None
       return followed if followed is not None else _replicated(node)
     if not self.params_is_leaf:
-      followed = self.follow(node, INFER)
+      followed = self.follow(node)
       if followed is not None:
         return followed
     children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
@@ -196,6 +185,28 @@ def _flat_param_specs(params: Any, param_shardings: Any) -> tuple[list[Any], Opt
       raise TypeError('`param_shardings` leaves must be PartitionSpec, NamedSharding or '
                       f'None, got {type(s).__name__}.')
   return specs, (meshes.pop() if meshes else None)
+
+
+def _check_transform(tx: Any) -> None:
+  if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
+    raise TypeError('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
+                    f'or optax.adamw(1e-3)), got {type(tx).__name__} {tx!r}.')
+
+
+def _traced_init(tx: optax.GradientTransformation, params: Any
+                 ) -> tuple[Any, list[Optional[tuple[str, int, Any]]]]:
+  """`jax.eval_shape(tx.init, params)`, and per state leaf what its estimator recorded."""
+  recorded: list[Optional[tuple[str, int, Any]]] = []
+
+  def init(p: Any) -> Any:
+    with _second_moment.recording_specs() as entries:
+      state = tx.init(p)
+    for leaf in jax.tree.leaves(state):
+      entry = entries.get(id(leaf))
+      recorded.append(entry[1:] if entry is not None and entry[0] is leaf else None)
+    return state
+
+  return jax.eval_shape(init, params), recorded
 
 
 def state_shardings(
@@ -250,10 +261,24 @@ def state_shardings(
     >>> shardings[0].inner_states['experts'].inner_state.v_row['experts']['w1']
     P('expert', None)
   """
+  _check_transform(tx)
   specs, named_mesh = _flat_param_specs(params, param_shardings)
   mesh = mesh if mesh is not None else named_mesh
-  abstract = jax.eval_shape(tx.init, params)
-  specs_tree = _Mapper(params, specs, mesh)(abstract)
+  abstract, recorded = _traced_init(tx, params)
+  spec_of = {path: (spec, p.shape) for (path, p), spec in
+             zip(_tree.flatten_with_paths(params)[0], specs)}
+  leaves, treedef = jax.tree.flatten(abstract)
+  for i, entry in enumerate(recorded):
+    if entry is not None and entry[0] in spec_of:
+      path, index, spec_fn = entry
+      param_spec, shape = spec_of[path]
+      padded = _padded(param_spec, len(shape))
+      known = jax.tree.leaves(spec_fn(padded, mesh))[index]
+      if tuple(known) == padded:  # the parameter's own spec, as the user wrote it
+        known = param_spec if isinstance(param_spec, PartitionSpec) else PartitionSpec()
+      leaves[i] = _Known(known)
+  # Leaves that no estimator recorded (other transforms' state) are matched by shape.
+  specs_tree = _Mapper(params, specs, mesh)(treedef.unflatten(leaves))
   if mesh is None:
     return specs_tree
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs_tree)

@@ -1,26 +1,28 @@
-"""SkewAdam's tier rule: one configurable Adam-like rule per parameter tier.
+"""SkewAdam's tier rule: a first-moment rule composed with a second-moment estimator.
 
 A tier chooses momentum (on/off and its dtype), a second-moment estimator (`exact`,
-`factored` row/column, or `grouped` as in AdamPM), an RMS clip of the update, how
-`eps` enters, and whether weight decay applies. `PUBLISHED_TIERS` is the policy of the
-SkewAdam paper: the dense backbone keeps momentum and a factored second moment, the
-expert bank only a factored second moment per expert, the router an exact one.
+`factored` row/column, `grouped` as in AdamPM, or a user's `SecondMoment`), an RMS
+clip of the update, how `eps` enters, and whether weight decay applies.
+`PUBLISHED_TIERS` is the policy of the SkewAdam paper: the dense backbone keeps
+momentum and a factored second moment, the expert bank only a factored second moment
+per expert, the router an exact one. Each estimator lives in its own module
+(`_exact`, `_factored`, `_grouped`); this one only composes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from skewadam_jax import _checks
+from skewadam_jax import _exact
 from skewadam_jax import _factored
 from skewadam_jax import _grouped
+from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 
 SECOND_MOMENTS = ('exact', 'factored', 'grouped')
@@ -36,7 +38,8 @@ class Tier:
     mu_dtype: dtype the first moment is stored in (float32 as published).
     second_moment: `'factored'` (row/column statistics for leaves with ndim >= 2,
       per matrix over leading batch axes; exact for ndim < 2), `'exact'` (Adam's full
-      second moment) or `'grouped'` (AdamPM pooling over `group_size` neighbours).
+      second moment), `'grouped'` (AdamPM pooling over `group_size` neighbours), or an
+      estimator object (a `skewadam_jax.SecondMoment`, e.g. one of your own).
     group_size: group size of the `'grouped'` estimator.
     group_axis: axis the `'grouped'` estimator pools along.
     clip_threshold: RMS clip of the update (over the last two axes, i.e. per expert
@@ -44,10 +47,15 @@ class Tier:
     eps_mode: `'floor'` (as published: `eps` floors the uncorrected second moment
       inside the square root) or `'adam'` (`u = m_hat / (sqrt(v_hat) + eps)`).
     weight_decay: whether decoupled weight decay applies to this tier.
+
+  Memory: every estimator keeps the step free of full-size temporaries except one
+  case, a `'grouped'` tier with momentum and a clip whose groups do not divide the
+  pooled axis (or run across the matrix axes): its clip recomputes the update through
+  a gather, a temporary of about the leaf's size (1.13x measured).
   """
   momentum: bool = True
   mu_dtype: Any = jnp.float32
-  second_moment: str = 'factored'
+  second_moment: Union[str, _second_moment.SecondMoment] = 'factored'
   group_size: int = 8
   group_axis: int = -1
   clip_threshold: Optional[float] = 1.0
@@ -64,7 +72,9 @@ class Tier:
     if not jnp.issubdtype(mu_dtype, jnp.floating):
       raise TypeError(f'`mu_dtype` must be a floating dtype, got {self.mu_dtype!r}.')
     object.__setattr__(self, 'mu_dtype', mu_dtype)
-    _checks.check_choice('second_moment', self.second_moment, SECOND_MOMENTS)
+    if not isinstance(self.second_moment, _second_moment.SecondMoment):
+      _checks.check_choice('second_moment', self.second_moment, SECOND_MOMENTS,
+                           'an estimator object (a skewadam_jax.SecondMoment) works too')
     _checks.check_positive_int('group_size', self.group_size)
     _checks.check_axis(self.group_axis, 'group_axis')
     if self.clip_threshold is not None:
@@ -80,7 +90,22 @@ class Tier:
 
   def replace(self, **changes: Any) -> Tier:
     """A copy of this tier with some options changed."""
-    return dataclasses.replace(self, **changes)
+    fields = {f.name for f in dataclasses.fields(self)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+      hint = _checks.did_you_mean(unknown[0], fields)
+      raise TypeError(f'Unknown Tier option(s) {unknown}{hint}; the options are '
+                      f'{sorted(fields)}.')
+    return dataclasses.replace(self, **changes) if changes else self
+
+  @property
+  def estimator(self) -> _second_moment.SecondMoment:
+    """The tier's second-moment estimator (before the per-leaf fallback to exact)."""
+    if isinstance(self.second_moment, _second_moment.SecondMoment):
+      return self.second_moment
+    if self.second_moment == 'grouped':
+      return _grouped.Grouped(self.group_size, self.group_axis, axis_arg='group_axis')
+    return {'exact': _exact.EXACT, 'factored': _factored.FACTORED}[self.second_moment]
 
 
 PUBLISHED_TIERS: Mapping[str, Tier] = {
@@ -99,66 +124,19 @@ class TieredAdamState(NamedTuple):
   v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else MaskedNode.
 
 
-def leaf_kind(shape: tuple[int, ...], tier: Tier) -> str:
-  """Which estimator a leaf of `shape` gets under `tier`: exact/factored/grouped."""
-  if tier.second_moment == 'factored':
-    return 'factored' if _factored.is_factored(shape) else 'exact'
-  if tier.second_moment == 'grouped':
-    return 'grouped' if len(shape) >= 1 else 'exact'
-  return 'exact'
+def leaf_estimator(shape: tuple[int, ...], tier: Tier) -> _second_moment.SecondMoment:
+  """The second-moment estimator a leaf of `shape` gets under `tier`."""
+  return tier.estimator.for_leaf(tuple(shape))
 
 
-def _clip_divisor(u_of: Any, operands: tuple[Any, ...], ndim: int, clip: float
-                  ) -> jax.Array:
-  """`max(1, rms(u) / clip)`, rms over the last two axes (the whole leaf if ndim < 2).
-
-  `u = u_of(*operands)` is recomputed inside the reduction from operands passed through
-  an optimisation barrier: without it XLA:CPU materialises the full-size `u` that feeds
-  both this reduction and the final elementwise pass. Scalars that `u_of` uses must be
-  operands too, or XLA materialises their full-size broadcast, shared by both passes.
-  """
-  u = u_of(*jax.lax.optimization_barrier(operands))
-  axes = (-2, -1) if ndim >= 2 else None
-  rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=ndim >= 2))
-  return jnp.maximum(1.0, rms / clip)
-
-
-def _grouped_clip_divisor(pooled_sq: jax.Array, denom: jax.Array, num_scale: Any,
-                          shape: tuple[int, ...], axis: int, tier: Tier, clip: float
-                          ) -> jax.Array:
-  """`max(1, rms(u) / clip)` of `u = g * num_scale / expand(denom)` from pooled arrays.
-
-  `pooled_sq` is the group mean of `g^2`, so `pooled_sq * count` is the group's sum of
-  squares; no pass over the full-size leaf is needed.
-  """
-  n = shape[axis]
-  counts = np.minimum(n - tier.group_size * np.arange(denom.shape[axis]), tier.group_size)
-  counts = counts.astype(np.float32).reshape((-1,) + (1,) * (len(shape) - axis - 1))
-  terms = pooled_sq * jnp.asarray(counts) * jnp.square(num_scale / denom)
-  axes = (-2, -1) if len(shape) >= 2 else None
-  size = shape[-2] * shape[-1] if len(shape) >= 2 else max(int(np.prod(shape)), 1)
-  rms = jnp.sqrt(jnp.sum(terms, axis=axes, keepdims=len(shape) >= 2) / size)
-  return jnp.maximum(1.0, rms / clip)
-
-
-def _grouped_clip_divisor_by_reshape(x: jax.Array, denom: jax.Array, num_scale: Any,
-                                     shape: tuple[int, ...], axis: int, tier: Tier,
-                                     clip: float) -> jax.Array:
-  """`max(1, rms(u) / clip)` of `u = x * num_scale / expand(denom)`, when groups divide.
-
-  The expansion is a broadcast over a reshape `[..., n / s, s, ...]`, which XLA keeps
-  inside the reduction, so nothing of the leaf's size is materialised.
-  """
-  x, denom, num_scale = jax.lax.optimization_barrier((x, denom, num_scale))
-  n, s = shape[axis], tier.group_size
-  grouped = x.reshape(shape[:axis] + (n // s, s) + shape[axis + 1:]).astype(jnp.float32)
-  u = grouped * num_scale / jnp.expand_dims(denom, axis + 1)
-  if len(shape) >= 2:
-    ms = jnp.sum(u * u, axis=(-3, -2, -1)) / (shape[-2] * shape[-1])
-    ms = ms.reshape(shape[:-2] + (1, 1))
-  else:
-    ms = jnp.mean(u * u)
-  return jnp.maximum(1.0, jnp.sqrt(ms) / clip)
+def init_leaf(tier: Tier, path: str, p: Any) -> tuple[Any, dict[str, Any]]:
+  """A leaf's momentum (or MaskedNode) and its statistics, one entry per state field."""
+  _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
+  estimator = leaf_estimator(tuple(p.shape), tier)
+  mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else optax.MaskedNode()
+  stats = dict(estimator.init(p, path))
+  _second_moment.record_leaf(path, estimator, tuple(p.shape), mu, stats)
+  return mu, {k: stats.get(k, optax.MaskedNode()) for k in _second_moment.STAT_FIELDS}
 
 
 def scale_by_tiered_adam(
@@ -206,133 +184,56 @@ def scale_by_tiered_adam(
     Mixture-of-Experts Training, arXiv 2607.19058.
     Shazeer & Stern, Adafactor: Adaptive Learning Rates with Sublinear Memory Cost, 2018.
   """
-  tier = (tier or Tier()).replace(**tier_options) if tier_options else (tier or Tier())
-  if not isinstance(tier, Tier):
-    raise TypeError(f'`tier` must be a skewadam_jax.Tier, got {type(tier).__name__}.')
+  if tier is not None and not isinstance(tier, Tier):
+    raise TypeError(f'`tier` must be a skewadam_jax.Tier or None, got {type(tier).__name__} '
+                    f'{tier!r}; build one with sj.Tier(...) or pass tier options as keywords.')
+  tier = (tier or Tier()).replace(**tier_options)
   _checks.check_beta('b1', b1)
   _checks.check_beta('b2', b2)
   _checks.check_non_negative('eps', eps)
-  floor = tier.eps_mode == 'floor'
-
-  def grouped_axis(path: str, shape: tuple[int, ...]) -> Optional[int]:
-    return _grouped.resolve_axis(len(shape), tier.group_axis, path, 'group_axis')
-
-  def init_leaf(path: str, p: Any) -> tuple[Any, Any, Any, Any]:
-    _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
-    shape = tuple(p.shape)
-    kind = leaf_kind(shape, tier)
-    mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else optax.MaskedNode()
-    v_row = v_col = v = optax.MaskedNode()
-    # Every statistic is derived from the parameter (never `jnp.zeros(shape)`) so that
-    # it inherits the parameter's sharding.
-    if kind == 'factored':
-      v_row, v_col = _factored.zero_row_col(p)
-    elif kind == 'grouped':
-      ax = grouped_axis(path, shape)
-      _grouped.check_whole_groups(p, tier.group_size, ax, path)
-      v = _grouped.zero_grouped(p, tier.group_size, ax, jnp.dtype(jnp.float32))
-    else:
-      v = jnp.zeros_like(p, dtype=jnp.float32)
-    return mu, v_row, v_col, v
 
   def init_fn(params):
     leaves, treedef = _tree.flatten_with_paths(params)
-    fields = [init_leaf(path, p) for path, p in leaves]
-    trees = [treedef.unflatten([f[i] for f in fields]) for i in range(4)]
-    return TieredAdamState(jnp.zeros([], jnp.int32), *trees)
+    mus, stats = zip(*[init_leaf(tier, path, p) for path, p in leaves]) if leaves else ((), ())
+    fields = {k: treedef.unflatten([s[k] for s in stats]) for k in _second_moment.STAT_FIELDS}
+    return TieredAdamState(jnp.zeros([], jnp.int32), treedef.unflatten(list(mus)), **fields)
 
-  def update_leaf(path, g, mu, v_row, v_col, v, bc1, bc2):
+  def update_leaf(path, g, mu, stats, bc1, bc2):
     # Every full-size array below is either an input, a state output or computed inside
     # the one fused pass that also applies the update: statistics come from reductions
     # over the stored arrays, and nothing of the leaf's size is materialised in between.
-    shape = tuple(g.shape)
-    kind = leaf_kind(shape, tier)
-    clip = tier.clip_threshold
-    g32 = g.astype(jnp.float32)
     if tier.momentum:
-      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32).astype(mu.dtype)
-      src = mu  # the stored (cast) momentum: no defensive copy of the uncast one
+      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
+      x = mu  # the stored (cast) momentum: no defensive copy of the uncast one
       num_scale = 1.0 / bc1
     else:
-      src = g
+      x = g
       num_scale = 1.0
+    floor = tier.eps_mode == 'floor'
     if floor:
       num_scale = num_scale * jnp.sqrt(bc2)
-    num_scale = jnp.asarray(num_scale, jnp.float32)
-    eps32 = jnp.asarray(eps, jnp.float32)
-
-    if kind == 'factored':
-      row_mean, col_mean = _factored.row_col_means(g)
-      v_row = b2 * v_row + (1.0 - b2) * row_mean
-      v_col = b2 * v_col + (1.0 - b2) * col_mean
-      rows = _factored.normalised_rows(v_row)
-      if floor:
-        # u = num * a_i * b_j is separable: the clip needs only sum_j (num * b_j)^2 per
-        # row, and the final pass only multiplies by per-row and per-column factors.
-        col_inv = jax.lax.rsqrt(jnp.maximum(v_col, eps))
-        row_scale = num_scale * jax.lax.rsqrt(jnp.maximum(rows, eps))
-        if clip is not None:
-          sumsq = _factored.scaled_row_sumsq(src, col_inv)
-          ms = (jnp.sum(sumsq * jnp.square(row_scale), axis=-1, keepdims=True)
-                / (shape[-2] * shape[-1]))
-          row_scale = row_scale / jnp.maximum(1.0, jnp.sqrt(ms) / clip)
-        u = src.astype(jnp.float32) * row_scale[..., :, None] * col_inv[..., None, :]
-        return u.astype(g.dtype), mu, v_row, v_col, v
-      operands = (src, jnp.sqrt(rows)[..., :, None], jnp.sqrt(v_col / bc2)[..., None, :],
-                  num_scale, eps32)
-
-      def u_of(x, row_d, col_d, scale, eps_):
-        return x.astype(jnp.float32) * scale / (row_d * col_d + eps_)
-    elif kind == 'grouped':
-      ax = grouped_axis(path, shape)
-      pooled_sq = _grouped.groupmean(g32 * g32, tier.group_size, ax)
-      v = b2 * v + (1.0 - b2) * pooled_sq
-      # The denominator at the pooled resolution, expanded inside the final pass.
-      denom = jnp.sqrt(jnp.maximum(v, eps)) if floor else jnp.sqrt(v / bc2) + eps
-      expand = functools.partial(_grouped.expand_groups, group_size=tier.group_size,
-                                 axis=ax, n=shape[ax])
-      u = src.astype(jnp.float32) * num_scale / expand(denom)
-      if clip is not None:
-        inside = len(shape) < 2 or ax >= len(shape) - 2  # groups lie inside one matrix
-        if inside and not tier.momentum:
-          # sum(u^2) = sum over groups of num_scale^2 * (sum of g^2 in the group) /
-          # denom^2: the statistic itself gives it, no pass over the leaf is needed.
-          u = u / _grouped_clip_divisor(pooled_sq, denom, num_scale, shape, ax, tier, clip)
-        elif inside and shape[ax] % tier.group_size == 0:
-          u = u / _grouped_clip_divisor_by_reshape(src, denom, num_scale, shape, ax, tier,
-                                                   clip)
-        else:  # u recomputed in the reduction (expand is a gather there: full-size temp)
-          u = u / _clip_divisor(lambda x, d, scale: x.astype(jnp.float32) * scale / expand(d),
-                                (src, denom, num_scale), len(shape), clip)
-      return u.astype(g.dtype), mu, v_row, v_col, v
-    else:
-      v = b2 * v + (1.0 - b2) * g32 * g32
-      operands = (src, v, num_scale, eps32, bc2)
-
-      def u_of(x, v_, scale, eps_, bc2_):
-        if floor:
-          return x.astype(jnp.float32) * scale / jnp.sqrt(jnp.maximum(v_, eps_))
-        return x.astype(jnp.float32) * scale / (jnp.sqrt(v_ / bc2_) + eps_)
-
-    u = u_of(*operands)
-    if clip is not None:
-      u = u / _clip_divisor(u_of, operands, len(shape), clip)
-    return u.astype(g.dtype), mu, v_row, v_col, v
+    step = _second_moment.Step(
+        b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
+        clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
+    estimator = leaf_estimator(tuple(g.shape), tier)
+    present = {k: v for k, v in stats.items() if not isinstance(v, optax.MaskedNode)}
+    u, new = estimator.update(g, present, x, step)
+    return u.astype(g.dtype), mu, {k: new.get(k, optax.MaskedNode()) for k in stats}
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args  # unused; accepted so that the transform chains like optax's
     leaves, treedef = _tree.flatten_with_paths(updates)
     mus = treedef.flatten_up_to(state.mu)
-    rows = treedef.flatten_up_to(state.v_row)
-    cols = treedef.flatten_up_to(state.v_col)
-    vs = treedef.flatten_up_to(state.v)
+    stats = [dict(zip(_second_moment.STAT_FIELDS, s)) for s in zip(
+        *[treedef.flatten_up_to(getattr(state, k)) for k in _second_moment.STAT_FIELDS])]
     count = optax.safe_increment(state.count)
     t = count.astype(jnp.float32)
     bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
     bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
-    out = [update_leaf(path, g, mu, r, c, v, bc1, bc2)
-           for (path, g), mu, r, c, v in zip(leaves, mus, rows, cols, vs)]
-    trees = [treedef.unflatten([o[i] for o in out]) for i in range(5)]
-    return trees[0], TieredAdamState(count, *trees[1:])
+    out = [update_leaf(path, g, mu, s, bc1, bc2)
+           for (path, g), mu, s in zip(leaves, mus, stats)]
+    fields = {k: treedef.unflatten([o[2][k] for o in out]) for k in _second_moment.STAT_FIELDS}
+    return treedef.unflatten([o[0] for o in out]), TieredAdamState(
+        count, treedef.unflatten([o[1] for o in out]), **fields)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

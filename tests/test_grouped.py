@@ -114,3 +114,19 @@ def test_schedule_learning_rate_equals_float_at_each_step():
     for k in p:
       p[k] = p[k] - float(sched(i)) * rules[k].update(g[k])
   assert max(np.max(np.abs(got[k] - p[k])) for k in p) <= 1e-5
+
+
+def test_adampm_updates_on_a_named_axis_of_one_shard():
+  # A mesh axis of size 1 still types the array as sharded on it (Explicit mode); the
+  # expansion must not take the unsharded gather path, which cannot infer a sharding.
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((1, 1), ('data', 'expert'))
+  tx = sj.adampm(1e-3, group_size=8)
+  with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.ones((2, 4, 16)), NamedSharding(mesh, P('expert', None, 'data')))
+    params = {'w': w}
+    state = jax.jit(tx.init)(params)
+    updates, state = jax.jit(tx.update)(params, state, params)
+  assert updates['w'].shape == (2, 4, 16)
+  assert np.all(np.isfinite(np.asarray(updates['w'])))

@@ -270,3 +270,62 @@ def test_masked_integer_parameters_pass_through(name):
   assert new['step'].dtype == jnp.int32 and int(new['step']) == 7
   np.testing.assert_array_equal(new['ids'], np.arange(5))
   assert float(jnp.max(jnp.abs(new['embed'] - params['embed']))) > 0
+
+
+# ----------------------------------------------------------------------------- review defects
+
+
+def test_tier_that_is_not_a_tier_is_a_type_error_even_with_options():
+  with pytest.raises(TypeError, match=r'`tier` must be a skewadam_jax.Tier or None, got dict'):
+    sj.scale_by_tiered_adam(tier={'momentum': False}, clip_threshold=None)
+  with pytest.raises(TypeError, match=r'`tier` must be a skewadam_jax.Tier or None, got dict'):
+    sj.scale_by_tiered_adam(tier={'momentum': False})
+
+
+def test_unknown_tier_option_is_a_type_error_with_a_suggestion():
+  with pytest.raises(TypeError, match=r"Unknown Tier option\(s\) \['momentun'\] \(did you mean "
+                                      r"'momentum'\?\)"):
+    sj.scale_by_tiered_adam(momentun=False)
+
+
+def test_integer_leaf_error_gives_advice_that_works_for_skewadam():
+  params = {'embed': jnp.zeros((6, 4)), 'step': jnp.zeros((), jnp.int32)}
+  with pytest.raises(TypeError) as info:
+    sj.skewadam(1e-3).init(params)
+  message = str(info.value)
+  assert 'the `mask` argument' not in message
+  assert 'optax.masked(tx, mask)' in message and 'wrt=nnx.Param' in message
+  # The advice works: masking the integer leaf out lets skewadam initialise.
+  tx = optax.masked(sj.skewadam(1e-3), {'embed': True, 'step': False})
+  tx.init(params)
+
+
+def test_label_table_names_the_integer_leaf():
+  params = {'embed': jnp.zeros((6, 4)), 'counters': {'step': jnp.zeros((), jnp.int32)}}
+  with pytest.raises(TypeError, match=r'parameter counters/step has non-floating dtype int32'):
+    sj.label_table(params)
+
+
+@pytest.mark.parametrize('make', [sj.skewadam, sj.adampm])
+def test_learning_rate_of_the_wrong_type_names_the_argument(make):
+  with pytest.raises(TypeError, match=r"`learning_rate` must be a float, a scalar array or an "
+                                      r"optax schedule .*got str '3e-4'"):
+    make('3e-4')
+  make(jnp.asarray(3e-4))  # scalar arrays and schedules are fine
+  make(optax.constant_schedule(3e-4))
+
+
+def test_memory_report_of_something_not_an_optimizer_names_tx():
+  with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation .*got "
+                                      r"str 'adam'"):
+    sj.memory_report(PARAMS, 'adam')
+  with pytest.raises(TypeError, match=r'`tx` must be an optax.GradientTransformation'):
+    sj.state_shardings('adam', PARAMS, jax.tree.map(lambda _: None, PARAMS))
+
+
+def test_unknown_tier_names_get_a_suggestion():
+  labels = {'embed': 'backbone', 'moe': {'router': 'router', 'experts': {'w1': 'expert'}}}
+  with pytest.raises(ValueError, match=r"\(did you mean 'experts'\?\)"):
+    sj.skewadam(1e-3, param_labels=labels).init(PARAMS)
+  with pytest.raises(ValueError, match=r"got 'factorized' \(did you mean 'factored'\?\)"):
+    sj.Tier(second_moment='factorized')

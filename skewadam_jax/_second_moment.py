@@ -1,0 +1,162 @@
+"""The interface of a second-moment estimator, and what every estimator shares.
+
+A SkewAdam tier combines a first-moment rule (momentum on or off) with one
+second-moment estimator. The estimator owns everything about its statistics: how
+they are initialised from a parameter, how a gradient updates them, how they rescale
+the update `u = x * num_scale / D` (including a memory-safe RMS clip), the
+sharding of each statistic, and its name in reports. The built-in estimators are
+`Exact` (Adam's `v`), `Factored` (Adafactor's row/column statistics) and `Grouped`
+(AdamPM's pooled `v`); a user estimator subclasses `SecondMoment` and is passed to
+`Tier(second_moment=...)` (see docs/estimators.md).
+
+Statistics live in the `v_row`, `v_col` and `v` fields of `TieredAdamState`: an
+estimator's `init` returns a dict from some of those field names to the leaf's
+statistics (an array, or any pytree of arrays), and fields it does not use hold
+`optax.MaskedNode`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec
+
+STAT_FIELDS = ('v_row', 'v_col', 'v')
+
+Stats = Mapping[str, Any]  # field name (one of STAT_FIELDS) -> statistics of one leaf
+Spec = tuple[Any, ...]  # a parameter's PartitionSpec, one entry per dimension
+
+
+class Step(NamedTuple):
+  """What an estimator's `update` needs of the current step, besides its own state."""
+  b2: Any  # decay rate of the statistics (a float, or traced under inject_hyperparams)
+  bc2: jax.Array  # shape=(), float32: 1 - b2^t
+  eps: Any  # the floor on the second moment ('floor'), or Adam's additive eps ('adam')
+  num_scale: jax.Array  # shape=(), float32: 1/bc1 with momentum, times sqrt(bc2) ('floor')
+  floor: bool  # static: eps_mode == 'floor'
+  clip: Optional[float]  # static: RMS clip threshold, or None
+  x_is_grad: bool  # static: the numerator `x` is the gradient itself (no momentum)
+  path: str  # the parameter's path, for error messages
+
+
+class SecondMoment(abc.ABC):
+  """A second-moment estimator: statistics of `g^2` that rescale an update.
+
+  Subclass it to add an estimator (a frozen dataclass with its static options works
+  well, as the built-in ones do). With `x` the numerator (the stored momentum, or the
+  gradient without momentum) and `s = step.num_scale`, `update` returns::
+
+    u = x * s / D                         eps_mode 'floor' (D from the floored statistic)
+    u = x * s / (sqrt(v_hat) + eps)       eps_mode 'adam'  (v_hat bias-corrected by bc2)
+    u = u / max(1, rms(u) / clip)         when step.clip is set (rms per matrix)
+
+  Attributes:
+    name: the estimator's name in `label_table` and reports.
+  """
+
+  name: str = 'second moment'
+
+  def for_leaf(self, shape: tuple[int, ...]) -> SecondMoment:
+    """The estimator a leaf of `shape` gets (e.g. `Factored` gives 1-D leaves `Exact`)."""
+    del shape
+    return self
+
+  @abc.abstractmethod
+  def init(self, param: Any, path: str) -> Stats:
+    """Zero statistics for `param`, built from it (so that they inherit its sharding)."""
+
+  @abc.abstractmethod
+  def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
+             ) -> tuple[jax.Array, Stats]:
+    """The float32 update `u` of one leaf and its new statistics."""
+
+  def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
+            ) -> Mapping[str, Any]:
+    """The PartitionSpec of each statistic of a parameter of `shape` sharded as `spec`.
+
+    `spec` has one entry per dimension; `mesh` (None if unknown) gives the number of
+    shards per mesh axis; `path` names the parameter in errors (raise a `ValueError`
+    for a sharding the estimator cannot work with). Returns a dict with `init`'s keys,
+    each a PartitionSpec or a pytree of them matching `init`'s statistics. The default
+    keeps `spec` for statistics of the parameter's shape and replicates the others.
+    """
+    del mesh
+    stats = jax.eval_shape(lambda: self.init(jnp.zeros(shape, jnp.float32), path))
+    return {k: jax.tree.map(
+        lambda a: PartitionSpec(*spec) if tuple(a.shape) == tuple(shape) else PartitionSpec(),
+        v) for k, v in stats.items()}
+
+
+def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim: int,
+                 clip: float) -> jax.Array:
+  """`max(1, rms(u) / clip)`, rms over the last two axes (the whole leaf if ndim < 2).
+
+  `u = u_of(*operands)` is recomputed inside the reduction from operands passed through
+  an optimisation barrier: without it XLA:CPU materialises the full-size `u` that feeds
+  both this reduction and the final elementwise pass. Scalars that `u_of` uses must be
+  operands too, or XLA materialises their full-size broadcast, shared by both passes.
+  """
+  u = u_of(*jax.lax.optimization_barrier(operands))
+  axes = (-2, -1) if ndim >= 2 else None
+  rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=ndim >= 2))
+  return jnp.maximum(1.0, rms / clip)
+
+
+def clipped(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim: int,
+            clip: Optional[float]) -> jax.Array:
+  """`u = u_of(*operands)`, RMS-clipped per matrix when `clip` is set."""
+  u = u_of(*operands)
+  if clip is not None:
+    u = u / clip_divisor(u_of, operands, ndim, clip)
+  return u
+
+
+# `state_shardings` asks each statistic's estimator for its spec. While it traces a
+# transform's `init` (under `jax.eval_shape`), every statistic created by an estimator
+# is recorded with how to derive its spec; the tracer objects identify the leaves.
+class _Recorder(threading.local):
+  entries: Optional[dict[int, tuple[Any, Callable[[Spec, Optional[Mesh]], Any]]]] = None
+
+
+_RECORDER = _Recorder()
+
+
+def record_specs(path: str, tree: Any, spec_fn: Callable[[Spec, Optional[Mesh]], Any]
+                 ) -> None:
+  """Notes that the leaves of `tree` are statistics of parameter `path`.
+
+  `spec_fn(param_spec, mesh)` returns the PartitionSpecs of `tree` (same structure).
+  Does nothing unless `recording_specs` is active.
+  """
+  entries = _RECORDER.entries
+  if entries is None:
+    return
+  leaves = jax.tree.leaves(tree)
+  for i, leaf in enumerate(leaves):
+    entries[id(leaf)] = (leaf, path, i, spec_fn)
+
+
+@contextlib.contextmanager
+def recording_specs() -> Iterator[dict[int, Any]]:
+  """Within the context, `record_specs` collects `id(leaf) -> (leaf, path, index, fn)`."""
+  previous = _RECORDER.entries
+  _RECORDER.entries = {}
+  try:
+    yield _RECORDER.entries
+  finally:
+    _RECORDER.entries = previous
+
+
+def record_leaf(path: str, estimator: SecondMoment, shape: tuple[int, ...], mu: Any,
+                stats: Stats) -> None:
+  """Records the specs of a leaf's momentum (the parameter's) and of its statistics."""
+  record_specs(path, mu, lambda spec, mesh: PartitionSpec(*spec))
+  for key, tree in stats.items():
+    record_specs(path, tree, lambda spec, mesh, key=key: estimator.specs(spec, shape, mesh,
+                                                                          path)[key])

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec
 
 from skewadam_jax import _exact
 from skewadam_jax import _second_moment
+from skewadam_jax import _xla
 from skewadam_jax._second_moment import Spec
 from skewadam_jax._second_moment import Stats
 from skewadam_jax._second_moment import Step
@@ -46,11 +47,11 @@ def row_col_means(g: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   XLA:CPU materialises a full-size `g * g` (or, for bf16 `g`, its float32 cast) when one
   elementwise producer feeds two reductions or a reduction and the final elementwise
-  pass; the optimisation barrier gives each reduction its own copy of the (already
-  materialised) gradient to square inside its own fused loop, so no full-size
+  pass; on the CPU an optimisation barrier gives each reduction its own copy of the
+  (already materialised) gradient to square inside its own fused loop, so no full-size
   temporary exists.
   """
-  g_row, g_col = jax.lax.optimization_barrier((g, g))
+  g_row, g_col = _xla.cpu_barrier((g, g))
   g_row = g_row.astype(jnp.float32)
   g_col = g_col.astype(jnp.float32)
   return jnp.mean(g_row * g_row, axis=-1), jnp.mean(g_col * g_col, axis=-2)
@@ -63,21 +64,9 @@ def scaled_row_sumsq(x: jax.Array, col_scale: jax.Array) -> jax.Array:
   so clipping it costs one more read of `x` and no full-size temporary (the barrier
   keeps XLA from sharing this pass's products with the final elementwise pass).
   """
-  xb, cb = jax.lax.optimization_barrier((x, col_scale))
+  xb, cb = _xla.cpu_barrier((x, col_scale))
   sumsq = jnp.sum(jnp.square(xb.astype(jnp.float32) * cb[..., None, :]), axis=-1)
-  return fusion_boundary(sumsq)
-
-
-def fusion_boundary(x: jax.Array) -> jax.Array:
-  """`x` unchanged (float32), but computed by its own kernel.
-
-  XLA:CPU fuses a reduction of `x` into the reduction that produced it, and the fused
-  YNNPACK kernel runs 1.5-10x slower than the two separate reductions (measured on
-  [128, 512, 512] and [50304, 512]). An optimisation barrier does not stop that fusion;
-  `reduce_precision` to float32's own exponent and mantissa widths is an exact identity
-  that the fused kernel cannot contain, so it does.
-  """
-  return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23)
+  return _xla.cpu_fusion_boundary(sumsq)
 
 
 @jax.jit

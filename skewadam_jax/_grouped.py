@@ -39,6 +39,7 @@ from skewadam_jax import _checks
 from skewadam_jax import _exact
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
+from skewadam_jax import _xla
 from skewadam_jax._second_moment import Spec
 from skewadam_jax._second_moment import Stats
 from skewadam_jax._second_moment import Step
@@ -266,7 +267,7 @@ def _reshaped_clip_divisor(x: jax.Array, denom: jax.Array, num_scale: Any,
   The expansion is a broadcast over a reshape `[..., n / s, s, ...]`, which XLA keeps
   inside the reduction, so nothing of the leaf's size is materialised.
   """
-  x, denom, num_scale = jax.lax.optimization_barrier((x, denom, num_scale))
+  x, denom, num_scale = _xla.cpu_barrier((x, denom, num_scale))
   n, s = shape[axis], group_size
   grouped = x.reshape(shape[:axis] + (n // s, s) + shape[axis + 1:]).astype(jnp.float32)
   u = grouped * num_scale / jnp.expand_dims(denom, axis + 1)

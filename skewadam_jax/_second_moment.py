@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
+from skewadam_jax import _xla
+
 STAT_FIELDS = ('v_row', 'v_col', 'v')
 
 Stats = Mapping[str, Any]  # field name (one of STAT_FIELDS) -> statistics of one leaf
@@ -98,11 +100,11 @@ def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim
   """`max(1, rms(u) / clip)`, rms over the last two axes (the whole leaf if ndim < 2).
 
   `u = u_of(*operands)` is recomputed inside the reduction from operands passed through
-  an optimisation barrier: without it XLA:CPU materialises the full-size `u` that feeds
+  an optimisation barrier on the CPU: without it XLA:CPU materialises the full-size `u` that feeds
   both this reduction and the final elementwise pass. Scalars that `u_of` uses must be
   operands too, or XLA materialises their full-size broadcast, shared by both passes.
   """
-  u = u_of(*jax.lax.optimization_barrier(operands))
+  u = u_of(*_xla.cpu_barrier(operands))
   axes = (-2, -1) if ndim >= 2 else None
   rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=ndim >= 2))
   return jnp.maximum(1.0, rms / clip)

@@ -48,10 +48,12 @@ class Tier:
       inside the square root) or `'adam'` (`u = m_hat / (sqrt(v_hat) + eps)`).
     weight_decay: whether decoupled weight decay applies to this tier.
 
-  Memory: every estimator keeps the step free of full-size temporaries except one
+  Memory: every estimator keeps the step free of full-size temporaries except in one
   case, a `'grouped'` tier with momentum and a clip whose groups do not divide the
-  pooled axis (or run across the matrix axes): its clip recomputes the update through
-  a gather, a temporary of about the leaf's size (1.13x measured).
+  pooled axis, or pool along an axis before the last two: the clip then recomputes the
+  update through a gather, a temporary of 1.13x the leaf (measured on XLA:CPU: 1.126x
+  for [512, 517] in groups of 8 along the last axis, 1.125x along the expert axis of
+  [16, 128, 260]). Pool along a dividing axis of the matrix, or drop the clip, there.
   """
   momentum: bool = True
   mu_dtype: Any = jnp.float32

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import skewadam_jax as sj
+from skewadam_jax import _grouped
 from reference import RefAdamPM, leaf_axis, ref_expand, ref_groupmean
 from trees import init_params, make_grads_fn, nest, run_optax
 
@@ -24,7 +25,7 @@ def test_groupmean_and_expand_match_reference(shape, axis, s):
   ax = axis % len(shape)
   got = sj.groupmean(jnp.asarray(x), s, ax)
   want = ref_groupmean(x, s, ax)
-  assert got.shape == want.shape == sj.grouped_shape(shape, s, ax)
+  assert got.shape == want.shape == _grouped.grouped_shape(shape, s, ax)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(sj.expand_groups(got, s, ax, shape[ax]),
                              ref_expand(want, s, ax, shape[ax]), rtol=1e-5, atol=1e-7)

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import skewadam_jax as sj
+from skewadam_jax import _labels
 from skewadam_jax import _tree
 import moe_models as mm
 
@@ -47,13 +48,13 @@ def test_known_layouts(tree, expected):
 
 
 def test_whole_segments_only():
-  assert sj.match_path('gate', 'mlp/gate/kernel')
-  assert not sj.match_path('gate', 'mlp/gate_proj/kernel')
-  assert not sj.match_path('experts', 'mlp/shared_experts/w1')
-  assert sj.match_path('*moe*/**/wo', 'decoder/MoeBlock_0/wo')
-  assert sj.match_path('*moe*/**/wo', 'decoder/moe/inner/wo')
-  assert not sj.match_path('*moe*/**/wo', 'decoder/mlp/wo')
-  assert sj.label_for_path('anything/else') == 'backbone'
+  assert _labels.match_path('gate', 'mlp/gate/kernel')
+  assert not _labels.match_path('gate', 'mlp/gate_proj/kernel')
+  assert not _labels.match_path('experts', 'mlp/shared_experts/w1')
+  assert _labels.match_path('*moe*/**/wo', 'decoder/MoeBlock_0/wo')
+  assert _labels.match_path('*moe*/**/wo', 'decoder/moe/inner/wo')
+  assert not _labels.match_path('*moe*/**/wo', 'decoder/mlp/wo')
+  assert _labels.label_for_path('anything/else') == 'backbone'
 
 
 def test_user_rules_come_first_and_default_is_backbone():

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import optax
 
 import skewadam_jax as sj
+from skewadam_jax import _memory
 
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -79,4 +80,4 @@ def test_per_tier_attribution_of_any_optimizer():
 def test_state_bytes_skip_integer_counts():
   state = sj.skewadam(1e-3).init({'w': jnp.zeros((3, 4))})
   assert sj.state_bytes(state) == 4 * (12 + 3 + 4)
-  assert sj.tree_bytes(state, floating_only=False) == 4 * (12 + 3 + 4) + 4 * 3
+  assert _memory.tree_bytes(state, floating_only=False) == 4 * (12 + 3 + 4) + 4 * 3

@@ -21,6 +21,8 @@ from hypothesis import example, given, HealthCheck, settings
 from hypothesis import strategies as st
 
 import skewadam_jax as sj
+from skewadam_jax import _grouped
+from skewadam_jax import _tiered
 from reference import leaf_axis, RefAdamPM, ref_expand, ref_groupmean, RefTier
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,
@@ -108,11 +110,11 @@ def tier_cases(draw):
   case = draw(_cases())
   tier = sj.Tier(
       momentum=draw(st.booleans()),
-      second_moment=draw(st.sampled_from(sj.SECOND_MOMENTS)),
+      second_moment=draw(st.sampled_from(_tiered.SECOND_MOMENTS)),
       group_size=draw(st.integers(1, 5)),
       group_axis=draw(axis_for(case.shape)),
       clip_threshold=draw(st.one_of(st.none(), st.sampled_from([0.05, 0.5, 1.0, 4.0]))),
-      eps_mode=draw(st.sampled_from(sj.EPS_MODES)),
+      eps_mode=draw(st.sampled_from(_tiered.EPS_MODES)),
       weight_decay=True)
   return case, tier
 
@@ -211,7 +213,7 @@ def test_groupmean_and_expand_match_reference(drawn):
   ax = leaf_axis(len(shape), axis)
   pooled = jax.jit(functools.partial(sj.groupmean, group_size=s, axis=ax))(x)
   want = ref_groupmean(x.astype(np.float64), s, ax)
-  assert pooled.shape == sj.grouped_shape(shape, s, ax) == want.shape
+  assert pooled.shape == _grouped.grouped_shape(shape, s, ax) == want.shape
   np.testing.assert_allclose(pooled, want, rtol=1e-5, atol=1e-6)
   n = shape[ax] if ax is not None else 1
   expanded = sj.expand_groups(pooled, s, ax, n)

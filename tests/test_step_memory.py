@@ -85,3 +85,46 @@ def test_published_expert_update_reads_the_gradient_three_times_at_most():
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   per_param = cost['bytes accessed'] / params['moe']['experts']['w1'].size
   assert per_param < 26.0, per_param
+
+
+@pytest.mark.parametrize('second_moment', ['exact', 'factored'])
+@pytest.mark.parametrize('eps_mode', ['floor', 'adam'])
+@pytest.mark.parametrize('mu_dtype', ['float32', 'bfloat16'])
+def test_clipped_momentum_tier_step_has_no_full_size_temporary(second_moment, eps_mode,
+                                                               mu_dtype):
+  # With momentum the clip's RMS reads the stored momentum, not the gradient.
+  tier = sj.Tier(momentum=True, mu_dtype=mu_dtype, second_moment=second_moment,
+                 eps_mode=eps_mode)
+  tx = optax.chain(sj.scale_by_tiered_adam(tier=tier), optax.scale(-1e-3))
+  params = _params('float32')
+  temp = _compiled_step(tx, params).memory_analysis().temp_size_in_bytes
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  assert temp < 0.03 * param_bytes
+
+
+def _pooled_bytes(tx, params):
+  state = jax.eval_shape(tx.init, params)
+  return sj.state_bytes(optax.tree_utils.tree_get(state, 'v'))
+
+
+@pytest.mark.parametrize('eps_mode', ['floor', 'adam'])
+def test_clipped_momentum_grouped_tier_with_whole_groups_has_no_full_size_temporary(eps_mode):
+  # Groups of 8 divide every pooled axis here and lie inside the matrices.
+  params = {'embed': jnp.zeros((2048, 256)), 'experts': jnp.zeros((16, 128, 256)),
+            'norm': jnp.zeros((256,))}
+  tier = sj.Tier(momentum=True, second_moment='grouped', eps_mode=eps_mode)
+  tx = optax.chain(sj.scale_by_tiered_adam(tier=tier), optax.scale(-1e-3))
+  temp = _compiled_step(tx, params).memory_analysis().temp_size_in_bytes
+  assert temp < 3.5 * _pooled_bytes(tx, params)
+
+
+@pytest.mark.parametrize('shape, axis', [((512, 517), -1), ((16, 128, 260), 0)])
+def test_clipped_momentum_grouped_gap_stays_as_documented(shape, axis):
+  # The known gap of the Tier docstring: groups that do not divide the axis, or that run
+  # along a batch axis, make the clip recompute the update through a gather, a
+  # temporary of about 1.13x the leaf (measured 1.126x and 1.125x). Never more.
+  params = {'w': jnp.zeros(shape)}
+  tier = sj.Tier(momentum=True, second_moment='grouped', group_axis=axis)
+  tx = optax.chain(sj.scale_by_tiered_adam(tier=tier), optax.scale(-1e-3))
+  temp = _compiled_step(tx, params).memory_analysis().temp_size_in_bytes
+  assert temp < 1.2 * params['w'].size * 4

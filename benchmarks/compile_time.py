@@ -1,0 +1,214 @@
+"""Compile time of a whole training step, each optimizer against `optax.adamw`.
+
+Two steps, each lowered from abstract arguments (`jax.ShapeDtypeStruct`s: nothing is
+allocated) and compiled with the jit of a fresh function every time, so that no
+compilation cache is hit:
+
+* `model`: the example MoE language model's training step (examples/moe_lm: forward,
+  backward, optimizer update, apply), preset `small` by default;
+* `tree32`: a 32-layer MoE-shaped parameter tree (Mixtral-like: attention, two norms,
+  a router and 8 stacked SwiGLU experts per layer, embedding and head), whose step is
+  the optimizer update and apply on given gradients: what the optimizer adds to a
+  large model's compile.
+
+After one untimed warm-up round (imports and JAX's tracing caches), rounds are
+interleaved (each round compiles every optimizer once, in a rotating order),
+and the reported ratio is the median over rounds of `time(opt) / time(adamw)` of the
+same round, so that load from other processes hits all optimizers alike. Also
+reported: the optimised HLO's instruction count and, on XLA:CPU, its kernel count.
+
+  python benchmarks/compile_time.py                     # both steps, 3 rounds
+  python benchmarks/compile_time.py --steps tree32 --rounds 5
+
+Writes results/compile_time.{json,md,png} under benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from typing import Any, Callable
+
+import _common  # also puts the repo root on sys.path
+from _common import RESULTS
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import skewadam_jax as sj
+
+LR = 1e-3
+WD = 0.1
+
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    'adamw': lambda: optax.adamw(LR, weight_decay=WD),
+    'skewadam': lambda: sj.skewadam(LR, weight_decay=WD),
+    'adampm': lambda: sj.adampm(LR, weight_decay=WD, group_size=8),
+}
+LABELS = {
+    'adamw': 'optax.adamw',
+    'skewadam': 'SkewAdam (published tiers)',
+    'adampm': 'AdamPM (s = 8)',
+}
+
+
+def tree32(layers: int = 32, d: int = 256, f: int = 512, experts: int = 8,
+           vocab: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int = 32
+           ) -> dict[str, Any]:
+  """Abstract params of a Mixtral-like MoE with `layers` unscanned layers."""
+  S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  params: dict[str, Any] = {'embed': {'embedding': S(vocab, d)},
+                            'final_norm': {'scale': S(d)}, 'lm_head': {'kernel': S(d, vocab)}}
+  for i in range(layers):
+    params[f'layers_{i}'] = {
+        'attn': {'q_proj': {'kernel': S(d, heads * head_dim)},
+                 'k_proj': {'kernel': S(d, kv_heads * head_dim)},
+                 'v_proj': {'kernel': S(d, kv_heads * head_dim)},
+                 'o_proj': {'kernel': S(heads * head_dim, d)}},
+        'input_norm': {'scale': S(d)},
+        'post_attn_norm': {'scale': S(d)},
+        'moe': {'router': {'kernel': S(d, experts)},
+                'experts': {'w1': S(experts, d, f), 'w3': S(experts, d, f),
+                            'w2': S(experts, f, d)}},
+    }
+  return params
+
+
+def tree_step(tx: optax.GradientTransformation) -> Callable[..., Any]:
+  """`(params, opt_state, grads) -> (params, opt_state)`, donated: update and apply."""
+
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+def tree_args(tx: optax.GradientTransformation) -> tuple[Any, ...]:
+  params = tree32()
+  return params, jax.eval_shape(tx.init, params), params
+
+
+def model_step(tx: optax.GradientTransformation, preset: str) -> tuple[Callable, tuple]:
+  """The example's jitted training step and its abstract arguments."""
+  from flax import nnx
+
+  from examples.moe_lm import model as model_lib
+  from examples.moe_lm import train as train_lib
+
+  cfg = model_lib.get_config(preset)
+  graphdef, params, rest = nnx.eval_shape(lambda: train_lib.init_model(cfg, 0))
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
+  state = jax.eval_shape(tx.init, params)
+  batch = jax.ShapeDtypeStruct((16, cfg.max_len + 1), jnp.int32)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  step = train_lib.make_train_step(graphdef, tx, False)
+  return step, (params, state, rest, batch, key)
+
+
+def kernels(hlo: str) -> int:
+  """Top-level fusions and other kernels of an optimised HLO module's entry."""
+  entry = hlo[hlo.index('ENTRY'):]
+  return len(re.findall(r'= [^ ]+ (fusion|custom-call|reduce|copy|sort|dot)\(', entry))
+
+
+def compile_once(name: str, which: str, preset: str) -> dict[str, float]:
+  """Lowers and compiles one fresh jit of `which` with optimizer `name`."""
+  tx = OPTIMIZERS[name]()
+  t0 = time.perf_counter()
+  if which == 'tree32':
+    fn, args = jax.jit(tree_step(tx), donate_argnums=(0, 1)), tree_args(tx)
+  else:
+    fn, args = model_step(tx, preset)
+  lowered = fn.lower(*args)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  hlo = compiled.as_text()
+  return {'lower_s': t1 - t0, 'compile_s': t2 - t1, 'total_s': t2 - t0,
+          'hlo_instructions': hlo.count('\n  '), 'kernels': kernels(hlo)}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0],
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  ap.add_argument('--steps', nargs='+', default=['model', 'tree32'],
+                  choices=('model', 'tree32'), help='which training steps to compile')
+  ap.add_argument('--optimizers', nargs='+', default=list(OPTIMIZERS),
+                  choices=list(OPTIMIZERS), help='adamw is always included')
+  ap.add_argument('--rounds', type=int, default=3, help='interleaved rounds')
+  ap.add_argument('--preset', default='small', help='example model preset')
+  ap.add_argument('--out', default=str(RESULTS / 'compile_time'),
+                  help='output path without suffix')
+  args = ap.parse_args()
+  names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
+
+  runs: dict[str, dict[str, list[dict[str, float]]]] = {
+      w: {n: [] for n in names} for w in args.steps}
+  total = len(args.steps) * (args.rounds + 1) * len(names)
+  with tqdm(total=total, desc='compiling') as bar:
+    for which in args.steps:  # warm-up round, not timed: imports, tracing caches
+      for name in names:
+        compile_once(name, which, args.preset)
+        bar.update()
+    for r in range(args.rounds):
+      for which in args.steps:
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+          bar.set_postfix_str(f'{which}/{name}')
+          runs[which][name].append(compile_once(name, which, args.preset))
+          bar.update()
+
+  rows, results = [], {}
+  for which in args.steps:
+    base = runs[which]['adamw']
+    for name in names:
+      mine = runs[which][name]
+      ratio = float(np.median([m['total_s'] / b['total_s'] for m, b in zip(mine, base)]))
+      med = {k: float(np.median([m[k] for m in mine])) for k in mine[0]}
+      results.setdefault(which, {})[name] = dict(med, ratio_vs_adamw=ratio, rounds=mine)
+      rows.append([which, LABELS[name], f"{med['lower_s']:.2f}", f"{med['compile_s']:.2f}",
+                   f"{med['total_s']:.2f}", f'{ratio:.2f}x', int(med['hlo_instructions']),
+                   int(med['kernels'])])
+  header = ['step', 'optimizer', 'trace + lower (s)', 'compile (s)', 'total (s)',
+            'vs adamw', 'HLO instructions', 'kernels']
+  table = _common.markdown_table(header, rows)
+  m = _common.machine()
+  text = (f'{table}\n\nmedian of {args.rounds} interleaved rounds; '
+          f'{_common.machine_line(m)}\n\n`{_common.command()}`\n')
+  print(text)
+  out = _common.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  _common.write_json(out.with_suffix('.json'),
+                     {'command': _common.command(), 'machine': m, 'results': results})
+  out.with_suffix('.md').write_text(text)
+  _plot(results, out.with_suffix('.png'))
+
+
+def _plot(results: dict[str, Any], path: Any) -> None:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  steps = list(results)
+  fig, axes = plt.subplots(1, len(steps), figsize=(5 * len(steps), 3.5), squeeze=False)
+  for ax, which in zip(axes[0], steps):
+    names = list(results[which])
+    vals = [results[which][n]['total_s'] for n in names]
+    ax.bar([LABELS[n] for n in names], vals, color=['0.5', 'C0', 'C1'][:len(names)])
+    for i, n in enumerate(names):
+      ax.text(i, vals[i], f"{results[which][n]['ratio_vs_adamw']:.2f}x", ha='center',
+              va='bottom')
+    ax.set_title(f'{which}: lower + compile (s)')
+    ax.tick_params(axis='x', labelsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+if __name__ == '__main__':
+  main()

@@ -4,36 +4,67 @@ On XLA:CPU an elementwise producer shared by two consumers (a reduction and the 
 elementwise pass, or two reductions) is materialised as a full-size temporary, and a
 reduction of a reduction is fused into one slow kernel. An optimisation barrier and an
 exact `reduce_precision` prevent both. On GPUs XLA fuses such producers into each
-consumer (multi-output fusion) without a temporary, and the barriers would only split
-kernels (more launches, longer compiles), so there they are left out:
-`jax.lax.platform_dependent` resolves the choice when the step is lowered, and the
-compiled program contains only the branch of its platform.
+consumer (multi-output fusion) without a temporary, and the barriers only split kernels
+(more launches, more bytes, longer compiles), so there they are left out.
+
+The choice is made when the step is lowered for its platform, as
+`jax.lax.platform_dependent` does, but with two identity primitives that have a CPU
+lowering of their own: tracing one costs a single `bind`, where `platform_dependent`
+traces both branches into a conditional at every call site (+1 s of tracing on a
+32-layer MoE tree).
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 T = TypeVar('T')
 
 
-def _identity(x: T) -> T:
-  return x
+def _identity_lowering(ctx: Any, *args: Any) -> Sequence[Any]:
+  del ctx
+  return list(args)
 
 
-def _exact_f32(x: jax.Array) -> jax.Array:
-  return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23)
+_barrier_p = Primitive('skewadam_cpu_barrier')
+_barrier_p.multiple_results = True
+_barrier_p.def_impl(lambda *xs: list(xs))
+_barrier_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(_barrier_p, _identity_lowering)
+mlir.register_lowering(
+    _barrier_p, mlir.lower_fun(lambda *xs: list(jax.lax.optimization_barrier(xs)),
+                               multiple_results=True), platform='cpu')
+batching.primitive_batchers[_barrier_p] = lambda args, dims: (_barrier_p.bind(*args), dims)
+ad.primitive_jvps[_barrier_p] = lambda primals, tangents: (_barrier_p.bind(*primals),
+                                                           list(tangents))
+
+_exact_f32_p = Primitive('skewadam_cpu_fusion_boundary')
+_exact_f32_p.def_impl(lambda x: x)
+_exact_f32_p.def_abstract_eval(lambda aval: aval)
+mlir.register_lowering(_exact_f32_p, lambda ctx, x: [x])
+mlir.register_lowering(
+    _exact_f32_p, mlir.lower_fun(
+        lambda x: jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23),
+        multiple_results=False), platform='cpu')
+batching.primitive_batchers[_exact_f32_p] = lambda args, dims: (_exact_f32_p.bind(*args),
+                                                                dims[0])
+ad.primitive_jvps[_exact_f32_p] = lambda primals, tangents: (_exact_f32_p.bind(*primals),
+                                                             tangents[0])
 
 
 def cpu_barrier(tree: T) -> T:
   """`jax.lax.optimization_barrier(tree)` on the CPU, `tree` unchanged elsewhere."""
-  return jax.lax.platform_dependent(tree, cpu=jax.lax.optimization_barrier,
-                                    default=_identity)
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, _barrier_p.bind(*leaves))
 
 
-def cpu_fusion_boundary(x: Any) -> Any:
+def cpu_fusion_boundary(x: jax.Array) -> jax.Array:
   """`x` (float32) computed by its own kernel on the CPU; `x` unchanged elsewhere.
 
   XLA:CPU fuses a reduction of `x` into the reduction that produced it, and the fused
@@ -42,4 +73,4 @@ def cpu_fusion_boundary(x: Any) -> Any:
   `reduce_precision` to float32's own exponent and mantissa widths is an exact identity
   that the fused kernel cannot contain, so it does.
   """
-  return jax.lax.platform_dependent(x, cpu=_exact_f32, default=_identity)
+  return _exact_f32_p.bind(x)

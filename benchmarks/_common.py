@@ -72,6 +72,18 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
   path.write_text(json.dumps(payload, indent=2, default=str) + '\n')
 
 
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+  """`write_json`, but via a temporary file and `os.replace`.
+
+  An interrupted write (Ctrl-C, a killed session) then leaves either the old file or
+  the new one, never half a file that a resumable sweep would take for a finished run.
+  """
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+  tmp.write_text(json.dumps(payload, indent=1, default=str) + '\n')
+  os.replace(tmp, path)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
                    align: str = '') -> str:
   """A GitHub markdown table; `align` is one char per column: 'l' or 'r' (default r)."""

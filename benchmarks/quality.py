@@ -1,25 +1,41 @@
-"""Side-by-side optimizer comparison on real text: the example MoE LM on stdlib bytes.
+"""Resumable learning-rate x seed sweep of optimizers on the example MoE LM (stdlib bytes).
 
-Every run starts from the same initial weights and sees the same batches in the same
-order (and the same router noise); all get the same budget (steps x batch), the same
-warmup + cosine schedule, global-norm clip 1.0 and weight decay 0.1 (see
+All runs of one seed start from the same initial weights and see the same batches in
+the same order (and the same router noise), whatever the optimizer; every run gets the
+same budget (steps x batch), the same schedule (linear warmup over `--warmup-frac` of
+the steps, then cosine to 0), global-norm clip 1.0 and weight decay 0.1 (see
 `examples/moe_lm/optimizers.py` for each optimizer's exact settings).
 
-Learning rates, and why (tuning effort):
-  * SkewAdam and its ablations, AdamW, AdamPM, Adafactor: the published 3e-4.
-  * AdamW is also swept over {1e-4, 3e-4, 1e-3} (the baseline gets a sweep, as in the
-    paper's "AdamW after an lr sweep"); SkewAdam gets one extra run at 1e-3 so that the
-    sweep is not one-sided. No other optimizer is tuned.
-  * Lion: 1e-4 (the conventional 3-10x below Adam's) with 3x the weight decay.
-  * Muon: its conventional 0.02 on matrices, Adam at 3e-4 on embeddings/norms/router.
+Optimizers (default): AdamW, Adafactor (`optax.adafactor`, no momentum) and Adafactor
+with its `momentum=0.9` option, Muon (`optax.contrib.muon`), AdamPM (s = 8), SkewAdam
+(published tiers) and SkewAdam with Adam's additive eps on every tier
+(`skewadam-adam-eps`). Each runs at every `--lrs` and every `--seeds`; Muon runs at
+every `--muon-lrs` instead (the lr of its orthogonalised matrices lives on another
+scale), its Adam branch (embeddings, norms, router) at `--muon-adam-lr`.
 
-  python benchmarks/quality.py                # 12 runs x 300 steps (about 25 min on 2 cores)
-  python benchmarks/quality.py --scale 4      # 4x the steps
-  python benchmarks/quality.py --long         # SkewAdam, AdamW (3e-4, best), AdamPM, ~45 min
-  python benchmarks/quality.py --only skewadam adamw@0.0003
+One JSON per run, `<out>/runs/<optimizer>_lr<lr>_seed<seed>_steps<steps>.json`,
+written atomically when the run ends. A run whose JSON exists and is complete is
+skipped, so an interrupted sweep resumes where it stopped, in this session or a later
+one; a JSON made with other settings (preset, batch, schedule, evaluation) stops the
+sweep instead of being mixed in. After the runs (or alone, with `--report-only`) every
+complete run JSON of this `--preset` and `--steps` under `--out` is read back into:
 
-Writes `quality.json`, `quality.png` (validation loss against step) and `quality.md`
-under `--out` (default `runs/quality/`); the JSON is rewritten after every run.
+* `report_steps<N>.md` and `.json`: per optimizer its best lr (lowest mean final
+  validation loss over seeds), the final validation loss at that lr as mean and std
+  over seeds, the gap to AdamW at its own best lr, state bytes, tokens/s and router
+  health (per MoE layer, validation without router noise; see examples/moe_lm/train.py);
+  and the final loss at every lr, flagging a best lr at the edge of the grid.
+* `curves_steps<N>.png`: validation loss against step at each optimizer's best lr
+  (mean over seeds, band from min to max), with a zoom on the second half.
+* `memory_steps<N>.png`: best-lr validation loss against optimizer state bytes.
+* `router_steps<N>.png`: each expert's load over training at the best lr (first seed),
+  one panel per optimizer.
+
+  python benchmarks/quality.py                    # the full sweep (hours; resumable)
+  python benchmarks/quality.py --seeds 0          # seed 0 of every (optimizer, lr) first
+  python benchmarks/quality.py --report-only      # report what has finished so far
+  python benchmarks/quality.py --preset tiny --steps 20 --lrs 1e-3 --seeds 0 \\
+      --optimizers adamw skewadam --eval-every 10 --out /tmp/quality   # smoke test
 """
 
 from __future__ import annotations
@@ -27,159 +43,443 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / 'benchmarks'))
 
+import _common  # noqa: E402
 from examples import _cli  # noqa: E402
+from examples.moe_lm import model as model_lib  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
 
-ADAMW_SWEEP = (1e-4, 3e-4, 1e-3)
-# (label, optimizer, lr); None means the optimizer's default (optimizers.DEFAULT_LR).
-DEFAULT_RUNS = (
-    ('skewadam', 'skewadam', None),
-    ('adamw@0.0003', 'adamw', 3e-4),
-    ('adampm-s8', 'adampm', None),
-    ('adamw@0.001', 'adamw', 1e-3),
-    ('adamw@0.0001', 'adamw', 1e-4),
-    ('adafactor', 'adafactor', None),
-    ('lion', 'lion', None),
-    ('muon', 'muon', None),
-    ('skewadam-expert-momentum', 'skewadam-expert-momentum', None),
-    ('skewadam-factored-all', 'skewadam-factored-all', None),
-    ('skewadam-adam-eps', 'skewadam-adam-eps', None),
-    ('skewadam@0.001', 'skewadam', 1e-3),
-)
-LONG_RUNS = (
-    ('skewadam', 'skewadam', None),
-    ('adamw@0.0003', 'adamw', 3e-4),
-    ('adampm-s8', 'adampm', None),
-    ('adamw@0.001', 'adamw', 1e-3),
-)
+SWEEP_OPTIMIZERS = ('adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
+                    'skewadam', 'skewadam-adam-eps')
+LRS = (3e-4, 1e-3, 3e-3)
+# Muon's conventional 0.02 in the middle; a factor 2 either side.
+MUON_LRS = (0.01, 0.02, 0.04)
+# AdamW's best lr in the earlier 300- and 2000-step comparisons on this model.
+MUON_ADAM_LR = 1e-3
+SEEDS = (0, 1, 2)
+STEPS = 2000
+BASELINE = 'adamw'
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One point of the sweep; its name is its JSON's file name."""
+  optimizer: str
+  lr: float
+  seed: int
+  steps: int
+
+  @property
+  def name(self) -> str:
+    return f'{self.optimizer}_lr{self.lr:g}_seed{self.seed}_steps{self.steps}'
+
+
+# ----------------------------------------------------------------------------- command line
 
 
 def build_parser() -> argparse.ArgumentParser:
   """The command line (hyphenated flags; `--batch_size` etc. are accepted too)."""
   p = _cli.parser(__doc__.splitlines()[0])
-  _cli.option(p, '--preset', default='small', help='model size (examples/moe_lm/model.py)')
-  _cli.option(p, '--steps', type=int, default=300, help='training steps per run')
+  _cli.option(p, '--optimizers', nargs='+', default=list(SWEEP_OPTIMIZERS),
+              choices=opt_lib.OPTIMIZERS, metavar='NAME',
+              help=f'optimizers to run (any of {", ".join(opt_lib.OPTIMIZERS)})')
+  _cli.option(p, '--lrs', nargs='+', type=float, default=list(LRS),
+              help='peak learning rates of every optimizer but Muon')
+  _cli.option(p, '--muon-lrs', nargs='+', type=float, default=list(MUON_LRS),
+              help="peak learning rates of Muon's orthogonalised matrices")
+  _cli.option(p, '--muon-adam-lr', type=float, default=MUON_ADAM_LR,
+              help="peak lr of Muon's Adam branch (embeddings, norms, router)")
+  _cli.option(p, '--seeds', nargs='+', type=int, default=list(SEEDS),
+              help='seeds (weights, batch order, router noise), one run each')
+  _cli.option(p, '--steps', type=int, default=STEPS, help='training steps per run')
+  _cli.option(p, '--preset', default='small', choices=sorted(model_lib.PRESETS),
+              help='model size (examples/moe_lm/model.py)')
   _cli.option(p, '--batch-size', type=int, default=16, help='sequences per step')
   _cli.option(p, '--warmup-frac', type=float, default=0.1,
-              help='linear warmup, as a fraction of the steps')
-  _cli.option(p, '--eval-every', type=int, default=50, help='validate every this many steps')
+              help='linear warmup, as a fraction of the steps (then cosine to 0)')
+  _cli.option(p, '--eval-every', type=int, default=100, help='validate every this many steps')
   _cli.option(p, '--eval-batches', type=int, default=8, help='validation batches per evaluation')
-  _cli.option(p, '--scale', type=float, default=1.0, help='multiply steps (and eval spacing)')
-  _cli.option(p, '--long', action='store_true',
-              help='SkewAdam, AdamW (3e-4 and 1e-3), AdamPM for 2000 steps (~45 min)')
-  _cli.option(p, '--only', nargs='+', default=None, help='run labels to keep')
-  _cli.option(p, '--seed', type=int, default=0, help='weights, batches and router noise')
-  _cli.option(p, '--out', default='runs/quality', help='output directory')
+  _cli.option(p, '--out', default='runs/quality',
+              help='output directory (run JSONs under <out>/runs, the report beside them)')
+  _cli.option(p, '--report-only', action='store_true',
+              help='train nothing: report the complete run JSONs already under --out')
   return p
 
 
-def parse_args() -> argparse.Namespace:
-  """The flags of `sys.argv`."""
-  return build_parser().parse_args()
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  """The flags of `argv` (default `sys.argv[1:]`), checked."""
+  p = build_parser()
+  a = p.parse_args(argv)
+  for flag, value in (('--steps', a.steps), ('--batch-size', a.batch_size),
+                      ('--eval-every', a.eval_every), ('--eval-batches', a.eval_batches)):
+    if value < 1:
+      p.error(f'{flag} must be >= 1, not {value}')
+  if not 0 <= a.warmup_frac < 1:
+    p.error(f'--warmup-frac must be in [0, 1), not {a.warmup_frac}')
+  if any(lr <= 0 for lr in a.lrs + a.muon_lrs + [a.muon_adam_lr]):
+    p.error('learning rates must be > 0')
+  return a
 
 
-def main() -> None:
-  args = parse_args()
-  runs = LONG_RUNS if args.long else DEFAULT_RUNS
-  steps, eval_every = args.steps, args.eval_every
-  if args.long:
-    steps, eval_every = 2000, 125
-  steps = int(round(steps * args.scale))
-  eval_every = max(1, int(round(eval_every * args.scale)))
-  if args.only:
-    runs = tuple(r for r in runs if r[0] in args.only)
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  command = ' '.join(['python'] + sys.argv)
+# ----------------------------------------------------------------------------- sweep
 
-  base = train_lib.TrainConfig(
-      preset=args.preset, steps=steps, batch_size=args.batch_size,
-      warmup=int(round(args.warmup_frac * steps)), eval_every=eval_every,
-      eval_batches=args.eval_batches, seed=args.seed)
-  data = train_lib.load_data(base, train_lib.model_config(base))
+
+def plan(args: argparse.Namespace) -> list[Run]:
+  """Every run, seed-major: a sweep stopped early has each (optimizer, lr) at seed 0."""
+  runs = []
+  for seed in dict.fromkeys(args.seeds):
+    for i in range(max(len(args.lrs), len(args.muon_lrs))):
+      for name in dict.fromkeys(args.optimizers):
+        grid = list(dict.fromkeys(args.muon_lrs if name == 'muon' else args.lrs))
+        if i < len(grid):
+          runs.append(Run(name, float(grid[i]), seed, args.steps))
+  return runs
+
+
+def train_config(args: argparse.Namespace, run: Run) -> train_lib.TrainConfig:
+  """The `TrainConfig` of one run (everything but optimizer, lr and seed is shared)."""
+  return train_lib.TrainConfig(
+      optimizer=run.optimizer, preset=args.preset, steps=run.steps,
+      batch_size=args.batch_size, lr=run.lr,
+      muon_adam_lr=args.muon_adam_lr if run.optimizer == 'muon' else None,
+      warmup=int(round(args.warmup_frac * run.steps)), eval_every=args.eval_every,
+      eval_batches=args.eval_batches, seed=run.seed)
+
+
+def _comparable(tc: train_lib.TrainConfig) -> dict[str, Any]:
+  """The config as a run JSON stores it, less the output directory."""
+  d = json.loads(json.dumps(dataclasses.asdict(tc), default=str))
+  d.pop('out', None)
+  return d
+
+
+def run_status(path: Path, tc: train_lib.TrainConfig) -> tuple[str, str]:
+  """`('done' | 'missing' | 'partial' | 'mismatch', why)` of a run's JSON.
+
+  Partial (unreadable, or not marked complete) runs are rerun; a complete run made
+  with other settings is a mismatch, which the sweep refuses to overwrite or mix in.
+  """
+  if not path.exists():
+    return 'missing', ''
+  try:
+    record = json.loads(path.read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    return 'partial', f'unreadable ({e})'
+  if record.get('complete') is not True:
+    return 'partial', 'not marked complete'
+  saved = dict(record.get('config', {}))
+  saved.pop('out', None)
+  want = _comparable(tc)
+  diff = sorted(k for k in set(saved) | set(want) if saved.get(k) != want.get(k))
+  if diff:
+    return 'mismatch', ', '.join(f'{k}: {saved.get(k)!r} there, {want.get(k)!r} here'
+                                 for k in diff)
+  return 'done', ''
+
+
+def sweep(args: argparse.Namespace, run_dir: Path) -> None:
+  """Trains every planned run whose JSON is not complete yet, writing one JSON each."""
+  runs = plan(args)
+  todo = []
+  for run in runs:
+    tc = train_config(args, run)
+    path = run_dir / f'{run.name}.json'
+    status, why = run_status(path, tc)
+    if status == 'mismatch':
+      raise SystemExit(f'{path} was made with other settings ({why}); use another --out '
+                       'or the settings it was made with.')
+    if status == 'partial':
+      print(f'{path.name}: {why}; it will be rerun')
+    if status != 'done':
+      todo.append((run, tc, path))
+  print(f'{len(runs)} runs planned: {len(runs) - len(todo)} complete (skipped), '
+        f'{len(todo)} to run', flush=True)
+  if not todo:
+    return
+  # One read of the corpus; the seed only changes the order of the training batches.
+  data = train_lib.load_data(todo[0][1], train_lib.model_config(todo[0][1]))
   print(data.summary())
-  print(f'{len(runs)} runs x {steps} steps x {args.batch_size * data.seq_len:,} tokens')
+  command = _common.command()
+  walls: list[float] = []
+  for i, (run, tc, path) in enumerate(todo):
+    record = train_lib.train(tc, dataclasses.replace(data, seed=run.seed),
+                             desc=f'[{i + 1}/{len(todo)}] {run.name}')
+    del record['history']['aux']  # keep the JSON small; loss/ce/grad_norm/drops stay
+    record.update(sweep=dataclasses.asdict(run), command=command, complete=True)
+    _common.write_json_atomic(path, record)
+    walls.append(record['timing']['wall_s'])
+    left = len(todo) - i - 1
+    print(f'{run.name}: final val loss {record["final"]["loss"]:.4f} '
+          f'({walls[-1]:.0f} s); {left} left, about {left * np.mean(walls) / 60:.0f} min',
+          flush=True)
 
-  results: list[dict[str, Any]] = []
+
+# ----------------------------------------------------------------------------- report
+
+
+def load_runs(run_dir: Path, preset: str, steps: int) -> list[dict[str, Any]]:
+  """The complete run JSONs of `preset` at `steps` under `run_dir`."""
+  records = []
+  for path in sorted(run_dir.glob('*.json')):
+    try:
+      r = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+      continue
+    if (r.get('complete') is True and r['config']['preset'] == preset
+        and r['config']['steps'] == steps):
+      records.append(r)
+  return records
+
+
+def _order(name: str) -> tuple[int, str]:
+  return (SWEEP_OPTIMIZERS.index(name) if name in SWEEP_OPTIMIZERS else 99, name)
+
+
+def _mean_std(x: Sequence[float]) -> tuple[float, Optional[float]]:
+  """Mean and sample std (None for a single value)."""
+  a = np.asarray(x, np.float64)
+  return float(a.mean()), (float(a.std(ddof=1)) if len(a) > 1 else None)
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One row per optimizer: loss at every lr, the best lr and its seeds' figures."""
+  by: dict[str, dict[float, list[dict[str, Any]]]] = {}
+  for r in records:
+    by.setdefault(r['sweep']['optimizer'], {}).setdefault(r['sweep']['lr'], []).append(r)
+  rows = []
+  for name in sorted(by, key=_order):
+    per_lr = {}
+    for lr, rs in sorted(by[name].items()):
+      rs.sort(key=lambda r: r['sweep']['seed'])
+      losses = [r['final']['loss'] for r in rs]
+      mean, std = _mean_std(losses)
+      per_lr[lr] = {'mean': mean, 'std': std, 'n': len(rs), 'losses': losses,
+                    'seeds': [r['sweep']['seed'] for r in rs]}
+    best_lr = min(per_lr, key=lambda lr: per_lr[lr]['mean'])
+    best = by[name][best_lr]
+    lrs = sorted(per_lr)
+    speeds = [r['timing']['tokens_per_s'] for r in best if r['timing']['tokens_per_s']]
+    router: dict[str, Any] = {}
+    if 'token_frac' in best[0]['router']:
+      for k in (*train_lib.ROUTER_HEALTH, 'aux_over_floor'):
+        router[k] = np.mean([np.asarray(r['router'][k], np.float64) for r in best],
+                            axis=0).tolist()
+      router['n_experts'] = best[0]['router']['n_experts']
+    rows.append({
+        'optimizer': name, 'best_lr': best_lr, 'loss_mean': per_lr[best_lr]['mean'],
+        'loss_std': per_lr[best_lr]['std'], 'n_seeds': per_lr[best_lr]['n'],
+        'best_at_edge': len(lrs) > 1 and best_lr in (lrs[0], lrs[-1]),
+        'per_lr': {f'{lr:g}': v for lr, v in per_lr.items()},
+        'state_bytes': best[0]['memory']['total_state_bytes'],
+        'tokens_per_s': float(np.median(speeds)) if speeds else None,
+        'router': router, 'best_runs': [Run(**r['sweep']).name for r in best],
+        'hyperparameters': best[0]['optimizer'],
+    })
+  base = next((r for r in rows if r['optimizer'] == BASELINE), None)
+  for row in rows:
+    row['gap_vs_baseline'] = None if base is None else row['loss_mean'] - base['loss_mean']
+  return rows
+
+
+def _pm(mean: float, std: Optional[float], n: int) -> str:
+  return f'{mean:.4f} ± {std:.4f} ({n})' if std is not None else f'{mean:.4f} (1)'
+
+
+def _per_layer(values: Any, spec: str) -> str:
+  return ', '.join(format(v, spec) for v in np.atleast_1d(values))
+
+
+def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
+                    args: argparse.Namespace) -> str:
+  """The sweep's tables and how to read them."""
+  r0 = records[0]
+  m = r0['machine']
+  wall = sum(r['timing']['wall_s'] for r in records)
+  base = next((r for r in rows if r['optimizer'] == BASELINE), None)
+  lines = [
+      f'## Optimizer sweep: `{args.preset}` MoE LM, {args.steps} steps x '
+      f'{r0["timing"]["tokens_per_step"]:,} tokens', '',
+      f'{len(records)} complete runs under `{args.out}/runs` ({wall / 60:.1f} min of '
+      f'training in all); data: {r0["data"]}  ',
+      f'Schedule: {r0["config"]["warmup"]} warmup steps then cosine to 0, clip 1.0, '
+      f'weight decay {r0["config"]["weight_decay"]}; validation every '
+      f'{r0["config"]["eval_every"]} steps on {r0["config"]["eval_batches"]} fixed '
+      'batches, without router noise and dropless.  ',
+      f'Machine: {m["cpu_count"]} CPU cores, {m["platform"]}, jax {m["jax"]}, optax '
+      f'{m["optax"]}, flax {m["flax"]} (tokens/s on a shared machine are indicative).', '',
+      'Best lr: lowest mean final validation loss over seeds. Loss: nats/byte, mean ± '
+      'sample std over seeds (number of seeds). Router health at the end of the best-lr '
+      'runs, mean over seeds, per MoE layer (comma-separated); dead = share below '
+      f'{model_lib.DEAD_BELOW:g} x uniform. The Switch aux loss / floor is 1 for uniform '
+      'router probabilities whatever the assignments, so it is blind to collapse.', '',
+  ]
+  header = ['optimizer', 'best lr', 'final val loss', f'vs {BASELINE} (best lr each)',
+            'state bytes', 'tokens/s', 'dead experts', 'max share / uniform',
+            'min share / uniform', 'load entropy / log E', 'top-1 router prob',
+            'router weight norm', 'Switch aux / floor']
+  body = []
+  for row in rows:
+    rt = row['router']
+    gap = row['gap_vs_baseline']
+    gap_text = ('—' if gap is None or row is base else
+                f'{gap:+.4f} ({100 * gap / base["loss_mean"]:+.2f}%)')
+    health = (['n/a'] * 7 if not rt else [
+        f'{_per_layer(rt["dead_experts"], ".3g")} of {rt["n_experts"]}',
+        _per_layer(rt['load_max_x_uniform'], '.2f'),
+        _per_layer(rt['load_min_x_uniform'], '.2f'),
+        _per_layer(rt['load_entropy_ratio'], '.3f'),
+        _per_layer(rt['top1_prob'], '.3f'), _per_layer(rt['router_norm'], '.3g'),
+        f'{rt["aux_over_floor"]:.4f}'])
+    speed = 'n/a' if row['tokens_per_s'] is None else f'{row["tokens_per_s"]:,.0f}'
+    body.append([row['optimizer'], f'{row["best_lr"]:g}',
+                 _pm(row['loss_mean'], row['loss_std'], row['n_seeds']), gap_text,
+                 f'{row["state_bytes"]:,}', speed, *health])
+  lines += [_common.markdown_table(header, body), '']
+  muon = next((r for r in rows if r['optimizer'] == 'muon'), None)
+  if muon:
+    lines += [f'Muon: the lr is that of its orthogonalised matrices (attention, dense MLP, '
+              f'experts); its Adam branch (embeddings, norms, router) ran at peak lr '
+              f'{muon["hyperparameters"].get("adam_lr")}.', '']
+  lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
+  body = []
+  for row in rows:
+    cells = []
+    for lr, v in row['per_lr'].items():
+      text = f'{lr}: {_pm(v["mean"], v["std"], v["n"])}'
+      cells.append(f'**{text}**' if float(lr) == row['best_lr'] else text)
+    edge = 'yes: extend the grid' if row['best_at_edge'] else 'no'
+    body.append([row['optimizer'], ' · '.join(cells), edge])
+  lines.append(_common.markdown_table(['optimizer', 'lr: loss (seeds)', 'best at the edge'],
+                                      body, align='llr'))
+  return '\n'.join(lines)
+
+
+def _best_records(rows: list[dict[str, Any]], records: list[dict[str, Any]]
+                  ) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+  by_name = {Run(**r['sweep']).name: r for r in records}
+  return [(row, [by_name[n] for n in row['best_runs']]) for row in rows]
+
+
+def plot_curves(rows: list[dict[str, Any]], records: list[dict[str, Any]], steps: int,
+                path: Path, title: str) -> None:
+  """Validation loss against step at each optimizer's best lr; right: the second half,
+  where the differences that decide the comparison are too small for the full range."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+  half = steps / 2
+  tail: list[float] = []
+  for i, (row, rs) in enumerate(_best_records(rows, records)):
+    n = min(len(r['evals']) for r in rs)
+    x = np.asarray([e['step'] for e in rs[0]['evals'][:n]])
+    losses = np.asarray([[e['loss'] for e in r['evals'][:n]] for r in rs])
+    seeds = f'{len(rs)} seed' + ('s' if len(rs) > 1 else '')
+    for ax in axes:
+      ax.plot(x, losses.mean(0), 'o-', ms=2.5, color=f'C{i % 10}',
+              label=f'{row["optimizer"]} lr {row["best_lr"]:g} ({seeds})')
+      if len(rs) > 1:
+        ax.fill_between(x, losses.min(0), losses.max(0), color=f'C{i % 10}', alpha=0.2)
+    tail += losses[:, x >= half].ravel().tolist()
+  for ax in axes:
+    ax.set_xlabel('step')
+    ax.set_ylabel('validation cross-entropy (nats / byte, no router noise)')
+    ax.grid(alpha=0.3)
+  axes[0].set_title('best lr of each optimizer (band: min..max over seeds)', fontsize=9)
+  axes[1].set_title('second half', fontsize=9)
+  if tail:
+    lo, hi = min(tail), max(tail)
+    pad = 0.05 * (hi - lo or 1.0)
+    axes[1].set_xlim(left=half)
+    axes[1].set_ylim(lo - pad, hi + pad)
+  axes[0].legend(fontsize=8)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+  """Best-lr final validation loss (error bar: std over seeds) against state bytes."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7.5, 5))
+  for i, row in enumerate(rows):
+    ax.errorbar(row['state_bytes'], row['loss_mean'], yerr=row['loss_std'] or 0.0,
+                fmt='o', ms=6, capsize=3, color=f'C{i % 10}',
+                label=f'{row["optimizer"]} (lr {row["best_lr"]:g})')
+    # Optimizers with the same state size (SkewAdam's eps variants) share an x: their
+    # labels go one below the other.
+    same_x = sum(abs(math.log(r['state_bytes'] / row['state_bytes'])) < 0.03
+                 for r in rows[:i])
+    ax.annotate(row['optimizer'], (row['state_bytes'], row['loss_mean']),
+                textcoords='offset points', xytext=(6, 4 - 11 * same_x), fontsize=8)
+  ax.set_xscale('log')
+  ax.set_xlabel('optimizer state bytes (float32 state, log scale)')
+  ax.set_ylabel('final validation loss at the best lr (nats / byte)')
+  ax.grid(alpha=0.3, which='both')
+  ax.legend(fontsize=7)
+  ax.set_title(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def report(args: argparse.Namespace, out: Path) -> str:
+  """Reads every complete run JSON of `--preset` at `--steps`, writes and returns the
+  markdown report (and its JSON and plots)."""
+  records = load_runs(out / 'runs', args.preset, args.steps)
+  if not records:
+    return f'No complete run of `{args.preset}` at {args.steps} steps under {out / "runs"}.'
+  rows = summarize(records)
+  text = report_markdown(rows, records, args)
+  stem = f'steps{args.steps}'
+  what = f'{args.preset} MoE LM, {args.steps} steps'
+  paths = {'md': out / f'report_{stem}.md', 'json': out / f'report_{stem}.json',
+           'curves': out / f'curves_{stem}.png', 'memory': out / f'memory_{stem}.png',
+           'router': out / f'router_{stem}.png'}
+  paths['md'].write_text(text + '\n')
+  _common.write_json_atomic(paths['json'], {
+      'command': _common.command(), 'preset': args.preset, 'steps': args.steps,
+      'machine': records[0]['machine'], 'rows': rows,
+      'runs': sorted(Run(**r['sweep']).name for r in records)})
+  plot_curves(rows, records, args.steps, paths['curves'], f'validation loss, {what}')
+  plot_memory(rows, paths['memory'], f'quality against optimizer memory, {what}')
+  train_lib.plot_router(
+      [(f'{row["optimizer"]} lr {row["best_lr"]:g} seed {rs[0]["sweep"]["seed"]}', rs[0])
+       for row, rs in _best_records(rows, records)],
+      paths['router'], title=f'expert load over training at the best lr, {what}')
+  return text + '\n\nwrote ' + ', '.join(str(p) for p in paths.values() if p.exists())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+  """Runs the missing runs of the sweep (unless `--report-only`), then the report."""
+  args = parse_args(argv)
+  out = Path(args.out)
   start = time.perf_counter()
-  for i, (label, name, lr) in enumerate(runs):
-    tc = dataclasses.replace(base, optimizer=name, lr=lr)
-    r = train_lib.train(tc, data, desc=f'[{i + 1}/{len(runs)}] {label}')
-    r['label'] = label
-    del r['history']['aux']  # keep the JSON small; loss/ce/grad_norm stay
-    results.append(r)
-    write(results, out, command, time.perf_counter() - start, args.long)
-    print(f'{label}: final val loss {r["final"]["loss"]:.4f} '
-          f'({r["timing"]["wall_s"]:.0f} s)', flush=True)
-  print(write(results, out, command, time.perf_counter() - start, args.long))
-
-
-def best_adamw(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-  sweep = [r for r in results if r['optimizer']['optimizer'] == 'adamw']
-  return min(sweep, key=lambda r: r['final']['loss']) if sweep else None
-
-
-def readout(results: list[dict[str, Any]]) -> list[str]:
-  """The comparisons the paper's claims turn on, as sentences with numbers."""
-  by = {r['label']: r for r in results}
-  lines = []
-  sk = by.get('skewadam')
-  same = by.get('adamw@0.0003')
-  best = best_adamw(results)
-  if sk and same:
-    gap = sk['final']['loss'] - same['final']['loss']
-    lines.append(f'SkewAdam {sk["final"]["loss"]:.4f} vs AdamW (same lr 3e-4) '
-                 f'{same["final"]["loss"]:.4f}: gap {gap:+.4f} nats/byte '
-                 f'({100 * gap / same["final"]["loss"]:+.2f}%).')
-  if sk and best:
-    gap = sk['final']['loss'] - best['final']['loss']
-    lines.append(f'SkewAdam vs AdamW at its best lr {best["optimizer"]["lr"]:g} '
-                 f'({best["final"]["loss"]:.4f}): gap {gap:+.4f} nats/byte '
-                 f'({100 * gap / best["final"]["loss"]:+.2f}%).')
-  pm = by.get('adampm-s8')
-  if pm and same:
-    rel = pm['final']['loss'] / same['final']['loss'] - 1
-    lines.append(f'AdamPM (s=8) {pm["final"]["loss"]:.4f} vs Adam(W) same lr '
-                 f'{same["final"]["loss"]:.4f}: {100 * rel:+.2f}% '
-                 f'({"within" if abs(rel) <= 0.01 else "outside"} 1%).')
-  return lines
-
-
-def write(results: list[dict[str, Any]], out: Path, command: str, wall: float,
-          long: bool) -> str:
-  """Writes JSON, PNG and markdown; returns the markdown."""
-  stem = 'quality_long' if long else 'quality'
-  machine = results[0]['machine']
-  cfg = results[0]['config']
-  md = [f'## Optimizer comparison: `{cfg["preset"]}` MoE LM, {cfg["steps"]} steps x '
-        f'{results[0]["timing"]["tokens_per_step"]:,} tokens', '',
-        f'Command: `{command}`  ', f'Data: {results[0]["data"]}  ',
-        f'Machine: {machine["cpu_count"]} CPU cores, {machine["platform"]}, jax '
-        f'{machine["jax"]}, optax {machine["optax"]}, flax {machine["flax"]}; total wall '
-        f'{wall / 60:.1f} min (shared machine, load average {machine["load_avg"]}).', '',
-        train_lib.summary_table(results), '',
-        'aux / floor: the validation Switch aux loss over the value a perfectly balanced '
-        'router gives (1.0 = at the floor). State bytes: float32 optimizer state.', '']
-  md += [f'* {line}' for line in readout(results)]
-  text = '\n'.join(md)
-  payload = {'command': command, 'wall_s': wall, 'machine': machine, 'results': results,
-             'readout': readout(results)}
-  (out / f'{stem}.json').write_text(json.dumps(payload, indent=1, default=str))
-  (out / f'{stem}.md').write_text(text + '\n')
-  train_lib.plot_losses(results, out / f'{stem}.png',
-                        title=f'validation loss, {cfg["preset"]} MoE LM, {cfg["steps"]} steps')
+  if not args.report_only:
+    sweep(args, out / 'runs')
+  text = report(args, out)
+  print(text)
+  if not args.report_only:
+    print(f'({(time.perf_counter() - start) / 60:.1f} min in this invocation)')
   return text
 
 
 if __name__ == '__main__':
-  assert set(opt_lib.OPTIMIZERS) >= {r[1] for r in DEFAULT_RUNS}
   main()

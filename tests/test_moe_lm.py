@@ -130,6 +130,67 @@ def test_aux_loss_collapsed_router_costs_coef_times_experts():
   np.testing.assert_allclose(moe_model.load_balance_loss(probs, indices, 0.05), 0.2, rtol=1e-6)
 
 
+def _health(indices: jax.Array, n_experts: int) -> dict[str, float]:
+  h = moe_model.load_health(moe_model.token_fractions(indices, n_experts))
+  return {k: float(v) for k, v in h.items()}
+
+
+def test_load_health_of_a_uniform_load():
+  # Every expert gets exactly 1/E of the T * k assignments.
+  health = _health(jnp.array([[0, 1], [2, 3]] * 8), 4)
+  assert health == pytest.approx({'load_max_x_uniform': 1.0, 'load_min_x_uniform': 1.0,
+                                  'dead_experts': 0, 'load_entropy_ratio': 1.0})
+
+
+def test_load_health_of_a_collapsed_load():
+  health = _health(jnp.zeros((16, 1), jnp.int32), 4)
+  assert health == pytest.approx({'load_max_x_uniform': 4.0, 'load_min_x_uniform': 0.0,
+                                  'dead_experts': 3, 'load_entropy_ratio': 0.0})
+
+
+def test_aux_loss_is_blind_to_a_collapse_that_load_health_sees():
+  # Uniform router probabilities, but every token goes to experts 0 and 1: the Switch
+  # loss sits at its floor while half of the experts are dead.
+  probs = jnp.full((32, 8), 1 / 8)
+  indices = jnp.array([[0, 1]] * 32)
+  coef = 0.05
+  aux_over_floor = float(moe_model.load_balance_loss(probs, indices, coef)) / coef
+  assert aux_over_floor == pytest.approx(1.0, abs=1e-6)
+  health = _health(indices, 8)
+  assert health['dead_experts'] == 6
+  assert health['load_max_x_uniform'] == pytest.approx(4.0)
+  assert health['load_entropy_ratio'] == pytest.approx(np.log(2) / np.log(8))
+
+
+def test_load_health_per_layer_and_dead_threshold():
+  # Layer 0 balanced; layer 1 has one expert at 5% of uniform (dead) and one at 20% (not).
+  frac = np.array([[0.25, 0.25, 0.25, 0.25], [0.0125, 0.05, 0.4375, 0.5]])
+  health = moe_model.load_health(frac)
+  assert all(v.shape == (2,) for v in health.values())
+  np.testing.assert_array_equal(health['dead_experts'], [0, 1])
+  np.testing.assert_allclose(health['load_min_x_uniform'], [1.0, 0.05])
+  np.testing.assert_allclose(health['load_max_x_uniform'], [1.0, 2.0])
+  assert health['load_entropy_ratio'][0] == pytest.approx(1.0)
+  assert 0 < health['load_entropy_ratio'][1] < 1
+
+
+def test_moe_stats_report_top1_prob_and_router_norm():
+  cfg = moe_model.get_config('tiny')
+  layer = moe_model.MoE(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(6), (2, 16, cfg.d_model))
+  _, stats = _jit_call(layer, x)
+  # Zero router: probabilities are uniform and the kernel has norm 0.
+  np.testing.assert_allclose(stats['top1_prob'], 1 / cfg.n_experts, rtol=1e-6)
+  assert float(stats['router_norm']) == 0.0
+  kernel = jax.random.normal(jax.random.key(7), layer.router.kernel.shape)
+  layer.router.kernel[...] = kernel
+  _, stats = _jit_call(layer, x)
+  np.testing.assert_allclose(stats['router_norm'], np.linalg.norm(np.asarray(kernel)),
+                             rtol=1e-5)
+  probs = jax.nn.softmax(layer.router(x.reshape(-1, cfg.d_model)), axis=-1)
+  np.testing.assert_allclose(stats['top1_prob'], jnp.mean(jnp.max(probs, -1)), rtol=1e-5)
+
+
 def test_z_loss_of_zero_logits():
   loss = moe_model.router_z_loss(jnp.zeros((5, 8)), 1e-4)
   np.testing.assert_allclose(loss, 1e-4 * np.log(8.0) ** 2, rtol=1e-6)

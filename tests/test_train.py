@@ -55,6 +55,39 @@ def test_router_stats_are_fractions_with_the_switch_floor(tiny_run):
   assert result['router']['aux_over_floor'] > 0.99
 
 
+def test_json_has_router_health_per_layer_at_every_eval(tiny_run):
+  _, out = tiny_run
+  saved = json.loads((out / 'skewadam.json').read_text())
+  cfg = model_lib.get_config('tiny')
+  layers = cfg.n_moe_blocks
+  for record in [saved['router'], *saved['evals']]:
+    for key in train_lib.ROUTER_HEALTH:
+      assert len(record[key]) == layers, key
+    assert record['n_experts'] == cfg.n_experts
+    frac = np.asarray(record['token_frac'])
+    # The health figures are those of the recorded assignment shares.
+    health = model_lib.load_health(frac)
+    for key, value in health.items():
+      np.testing.assert_allclose(record[key], value, rtol=1e-6, err_msg=key)
+    assert all(1 / cfg.n_experts - 1e-6 <= p <= 1 for p in record['top1_prob'])
+    assert all(n >= 0 for n in record['router_norm'])
+  # The router starts at zero and moves: its norm is recorded at every eval.
+  assert [e['step'] for e in saved['evals']] == [15, 30]
+  assert saved['evals'][-1]['router_norm'][0] > 0
+  # Training drops (evaluation is dropless); `tiny` has no capacity limit.
+  assert saved['history']['drop_frac'] == [0.0] * 30
+  assert saved['evals'][-1]['train_drop_frac'] == 0.0
+
+
+def test_report_labels_the_aux_loss_and_has_no_eval_drop_line(tiny_run):
+  _, out = tiny_run
+  md = (out / 'skewadam.md').read_text()
+  assert 'Switch aux loss / floor (1 = uniform probabilities; blind to collapse)' in md
+  assert 'dead experts' in md and 'load entropy / log E' in md
+  assert 'Dropped assignments: none by construction' in md
+  assert (out / 'skewadam-router.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
 def test_run_writes_table_png_and_json(tiny_run):
   result, out = tiny_run
   saved = json.loads((out / 'skewadam.json').read_text())

@@ -185,6 +185,41 @@ def token_fractions(indices: jax.Array, n_experts: int) -> jax.Array:
   return counts / indices.size
 
 
+DEAD_BELOW = 0.1  # an expert is dead when its share is under this fraction of uniform
+
+
+def load_health(token_frac: Any, dead_below: float = DEAD_BELOW) -> dict[str, np.ndarray]:
+  """How evenly the assignments spread over the experts, per MoE layer (numpy, host side).
+
+  The Switch aux loss cannot tell a collapsed router from a balanced one when the
+  router's probabilities are near uniform (it is then ~`coef` whatever the assignments);
+  these figures are computed from the assignments themselves.
+
+  Args:
+    token_frac: each expert's share of the token assignments, `[..., E]` (rows sum to 1),
+      e.g. `token_fractions(indices, E)` or the stacked `token_frac` `[L, E]`.
+    dead_below: an expert whose share is below `dead_below / E` counts as dead.
+
+  Returns:
+    Arrays of shape `token_frac.shape[:-1]`: `load_max_x_uniform` and
+    `load_min_x_uniform` (largest and smallest share over the uniform share `1 / E`),
+    `dead_experts` (int) and `load_entropy_ratio` (entropy of the shares over `log E`:
+    1 for a uniform load, 0 when one expert takes everything).
+  """
+  frac = np.asarray(token_frac, np.float64)
+  n_experts = frac.shape[-1]
+  safe = np.where(frac > 0, frac, 1.0)
+  entropy = -np.sum(np.where(frac > 0, frac * np.log(safe), 0.0), axis=-1)
+  # One expert is always "uniform": its entropy ratio is 1 by convention.
+  max_entropy = math.log(n_experts) if n_experts > 1 else 1.0
+  return {
+      'load_max_x_uniform': frac.max(axis=-1) * n_experts,
+      'load_min_x_uniform': frac.min(axis=-1) * n_experts,
+      'dead_experts': np.sum(frac * n_experts < dead_below, axis=-1),
+      'load_entropy_ratio': entropy / max_entropy if n_experts > 1 else entropy + 1.0,
+  }
+
+
 def load_balance_loss(probs: jax.Array, indices: jax.Array, coef: float) -> jax.Array:
   """Switch aux loss `coef * E * sum_i mean_prob_i * token_frac_i`.
 
@@ -349,7 +384,9 @@ class MoE(nnx.Module):
 
     Returns:
       `(y, stats)`: output `[B, S, d]` and a dict of scalars / `[E]` vectors
-      (`aux_loss`, `z_loss`, `token_frac`, `mean_prob`, `drop_frac`).
+      (`aux_loss`, `z_loss`, `token_frac`, `mean_prob`, `top1_prob` (mean over tokens
+      of the largest router probability), `router_norm` (Frobenius norm of the router
+      kernel), `drop_frac`).
     """
     cfg = self.cfg
     b, s, d = x.shape
@@ -385,6 +422,8 @@ class MoE(nnx.Module):
         'z_loss': router_z_loss(logits, cfg.z_loss_coef),
         'token_frac': token_fractions(indices, cfg.n_experts),
         'mean_prob': jnp.mean(probs, axis=0),
+        'top1_prob': jnp.mean(jnp.max(probs, axis=-1)),
+        'router_norm': jnp.sqrt(jnp.sum(jnp.square(self.router.kernel[...]))),
         'drop_frac': 1.0 - jnp.mean(keep.astype(jnp.float32)),
     }
     return y.reshape(b, s, d).astype(x.dtype), stats
@@ -459,7 +498,8 @@ class MoELM(nnx.Module):
       `(logits, aux)`: fp32 logits `[B, S, vocab]` and a dict with the summed
       `aux_loss` and `z_loss`, `aux_floor` (`aux_loss_coef` per MoE layer) and per-layer
       `layer_aux_loss` `[L]`, `token_frac` `[L, E]`, `mean_prob` `[L, E]`,
-      `drop_frac` `[L]`, where L is the number of MoE layers.
+      `top1_prob` `[L]`, `router_norm` `[L]`, `drop_frac` `[L]`, where L is the number
+      of MoE layers.
     """
     cfg = self.cfg
     s = tokens.shape[1]
@@ -493,6 +533,8 @@ def _collect_stats(stats: list[dict[str, jax.Array]], cfg: MoEConfig) -> dict[st
       'layer_aux_loss': stacked['aux_loss'],
       'token_frac': stacked['token_frac'],
       'mean_prob': stacked['mean_prob'],
+      'top1_prob': stacked['top1_prob'],
+      'router_norm': stacked['router_norm'],
       'drop_frac': stacked['drop_frac'],
   }
 

@@ -12,12 +12,13 @@ warmup + cosine learning-rate schedule. Names:
   (`eps_mode='adam'`) instead of the floor.
 * `adamw`, `adampm` (group size 8 along the last axis), `adafactor`
   (`optax.adafactor` without momentum and without parameter scaling, so that its step
-  size is Adam-like), `lion` (`optax.lion`), `muon` (`optax.contrib.muon` on the
+  size is Adam-like), `adafactor-momentum` (the same with its `momentum=0.9` option, a
+  float32 first moment), `lion` (`optax.lion`), `muon` (`optax.contrib.muon` on the
   matrices of attention, dense MLPs and experts (per expert); Adam on embeddings,
   norms and the router).
 
 Default learning rates (`DEFAULT_LR`): the published 3e-4 for the Adam family
-(SkewAdam and its ablations, AdamW, AdamPM, Adafactor); Lion conventionally 3-10x
+(SkewAdam and its ablations, AdamW, AdamPM, both Adafactors); Lion conventionally 3-10x
 smaller (1e-4, with weight decay 3x larger so that lr * wd matches); Muon its
 conventional 0.02 for the orthogonalised matrices and 3e-4 (Adam) for the rest.
 """
@@ -34,12 +35,12 @@ import skewadam_jax as sj
 
 ADAM_LR = 3e-4
 OPTIMIZERS = (
-    'skewadam', 'adampm', 'adamw', 'adafactor', 'lion', 'muon',
+    'skewadam', 'adampm', 'adamw', 'adafactor', 'adafactor-momentum', 'lion', 'muon',
     'skewadam-expert-momentum', 'skewadam-factored-all', 'skewadam-adam-eps',
 )
 DEFAULT_LR = {
     'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adamw': ADAM_LR, 'adafactor': ADAM_LR,
-    'lion': 1e-4, 'muon': 0.02, 'skewadam-expert-momentum': ADAM_LR,
+    'adafactor-momentum': ADAM_LR, 'lion': 1e-4, 'muon': 0.02, 'skewadam-expert-momentum': ADAM_LR,
     'skewadam-factored-all': ADAM_LR, 'skewadam-adam-eps': ADAM_LR,
 }
 
@@ -100,7 +101,8 @@ def muon_dimension_numbers(params: Any) -> Any:
 
 def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
                    total_steps: int, warmup_steps: int, weight_decay: float = 0.1,
-                   clip_norm: Optional[float] = 1.0, group_size: int = 8
+                   clip_norm: Optional[float] = 1.0, group_size: int = 8,
+                   muon_adam_lr: Optional[float] = None
                    ) -> tuple[optax.GradientTransformation, dict[str, Any]]:
   """Global-norm clip, then optimizer `name` with a warmup + cosine schedule.
 
@@ -113,6 +115,8 @@ def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
       its default lr; Muon: scaled so that lr * wd matches too; Adafactor: none).
     clip_norm: global gradient-norm clip, None for none.
     group_size: AdamPM group size.
+    muon_adam_lr: peak lr of Muon's Adam branch (embeddings, norms, router); None
+      means `ADAM_LR`. Muon's weight decay is scaled so that lr * wd matches it.
 
   Returns:
     `(tx, info)`: the transformation and a dict of the hyperparameters used.
@@ -132,19 +136,22 @@ def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
   elif name == 'adampm':
     tx = sj.adampm(schedule, weight_decay=weight_decay, group_size=group_size)
     info.update(weight_decay=weight_decay, group_size=group_size)
-  elif name == 'adafactor':
-    tx = optax.adafactor(schedule, multiply_by_parameter_scale=False, clipping_threshold=1.0)
-    info['weight_decay'] = 0.0
+  elif name in ('adafactor', 'adafactor-momentum'):
+    momentum = 0.9 if name == 'adafactor-momentum' else None
+    tx = optax.adafactor(schedule, multiply_by_parameter_scale=False, clipping_threshold=1.0,
+                         momentum=momentum)
+    info.update(weight_decay=0.0, momentum=momentum)
   elif name == 'lion':
     tx = optax.lion(schedule, b1=0.9, b2=0.99, weight_decay=3 * weight_decay)
     info['weight_decay'] = 3 * weight_decay
   else:  # muon
-    muon_wd = weight_decay * ADAM_LR / lr
+    adam_lr = ADAM_LR if muon_adam_lr is None else float(muon_adam_lr)
+    muon_wd = weight_decay * adam_lr / lr
     tx = contrib.muon(
         schedule, weight_decay=muon_wd, adam_weight_decay=weight_decay,
-        adam_learning_rate=warmup_cosine(ADAM_LR, warmup_steps, total_steps),
+        adam_learning_rate=warmup_cosine(adam_lr, warmup_steps, total_steps),
         muon_weight_dimension_numbers=muon_dimension_numbers)
-    info.update(weight_decay=muon_wd, adam_lr=ADAM_LR, adam_weight_decay=weight_decay)
+    info.update(weight_decay=muon_wd, adam_lr=adam_lr, adam_weight_decay=weight_decay)
   if clip_norm is not None:
     tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
   return tx, info

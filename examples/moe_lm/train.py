@@ -18,10 +18,15 @@ Flow: config -> data -> model -> optimizer -> jitted step -> loop -> report.
   are bfloat16, gradients are cast to float32, optimizer state is float32 and the update
   is applied with `skewadam_jax.apply_updates_stochastic` (unbiased rounding).
 * Every `--eval-every` steps: validation loss, bits per byte and perplexity (per byte),
-  and router statistics: the token fraction per expert and the Switch aux loss against
-  its floor (the value a perfectly balanced router reaches).
-* At the end: a markdown table of optimizer state bytes per tier, a loss-curve PNG and a
-  JSON of the run under `--out` (default `runs/moe_lm/`).
+  and router health per MoE layer on the validation batches without router noise (see
+  `router_stats`): each expert's share of the assignments over the uniform share (max,
+  min), dead experts, the load entropy over log E, the mean top-1 router probability
+  and the router weight norm. The Switch aux loss over its floor is kept but it is
+  blind to collapse: it is ~1 whenever the router's probabilities are near uniform,
+  whatever the assignments.
+* At the end: a markdown table of optimizer state bytes per tier, a loss-curve PNG, a
+  PNG of each expert's load over training and a JSON of the run under `--out` (default
+  `runs/moe_lm/`).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class TrainConfig:
   batch_size: int = 16
   seq_len: Optional[int] = None  # None: the preset's max_len
   lr: Optional[float] = None  # None: optimizers.DEFAULT_LR[optimizer]
+  muon_adam_lr: Optional[float] = None  # Muon's Adam branch; None: optimizers.ADAM_LR
   warmup: int = 60
   weight_decay: float = 0.1
   clip_norm: float = 1.0
@@ -152,7 +158,7 @@ def evaluate(eval_step, params, rest, batches: list[np.ndarray]) -> dict[str, An
   sums: dict[str, Any] = {}
   for b in batches:
     m = jax.device_get(eval_step(params, rest, jnp.asarray(b)))
-    for k in ('ce', 'aux', 'z', 'aux_floor', 'token_frac', 'drop_frac'):
+    for k in ('ce', 'aux', 'z', 'aux_floor', 'token_frac', 'top1_prob', 'router_norm'):
       if k in m:
         sums[k] = sums.get(k, 0.0) + np.asarray(m[k], np.float64)
   mean = {k: v / len(batches) for k, v in sums.items()}
@@ -162,18 +168,50 @@ def evaluate(eval_step, params, rest, batches: list[np.ndarray]) -> dict[str, An
   return out
 
 
+ROUTER_HEALTH = ('load_max_x_uniform', 'load_min_x_uniform', 'dead_experts',
+                 'load_entropy_ratio', 'top1_prob', 'router_norm')
+
+
 def router_stats(m: dict[str, Any]) -> dict[str, Any]:
-  """Aux loss against its floor and the per-expert token fractions `[L][E]`."""
+  """Router health per MoE layer (lists of length L) from mean validation metrics.
+
+  `token_frac` `[L][E]` is each expert's share of the assignments; `ROUTER_HEALTH`
+  are the figures of `model.load_health` plus the mean top-1 router probability and
+  the router kernel's Frobenius norm. `aux_over_floor` is the Switch aux loss over its
+  floor: 1 means uniform router *probabilities*, which a collapsed assignment can
+  have too, so it is kept for reference only.
+  """
   if 'token_frac' not in m:
     return {}
-  frac = np.asarray(m['token_frac'])
-  return {
+  frac = np.asarray(m['token_frac'], np.float64)
+  health = model_lib.load_health(frac)
+  out: dict[str, Any] = {
       'aux': float(m['aux']), 'aux_floor': float(m['aux_floor']),
       'aux_over_floor': float(m['aux']) / float(m['aux_floor']),
-      'token_frac': frac.round(4).tolist(),
-      'max_token_frac_x_E': float(frac.max() * frac.shape[-1]),
-      'drop_frac': float(np.mean(m.get('drop_frac', 0.0))),
+      'n_experts': int(frac.shape[-1]),
+      'token_frac': frac.round(5).tolist(),
   }
+  out.update({k: np.asarray(v).tolist() for k, v in health.items()})
+  out['top1_prob'] = np.asarray(m['top1_prob'], np.float64).tolist()
+  out['router_norm'] = np.asarray(m['router_norm'], np.float64).tolist()
+  return out
+
+
+def _layers(values: Any, spec: str) -> str:
+  """Per-layer values as `'a, b'` (one MoE layer: just `'a'`)."""
+  return ', '.join(format(v, spec) for v in np.atleast_1d(values))
+
+
+def health_line(ev: dict[str, Any]) -> str:
+  """One line of router health for the progress log (per MoE layer, comma-separated)."""
+  if 'token_frac' not in ev:
+    return 'no MoE layer'
+  return (f'load max/uniform {_layers(ev["load_max_x_uniform"], ".2f")} '
+          f'min/uniform {_layers(ev["load_min_x_uniform"], ".2f")} '
+          f'dead {_layers(ev["dead_experts"], "d")}/{ev["n_experts"]} '
+          f'entropy/logE {_layers(ev["load_entropy_ratio"], ".3f")} '
+          f'top-1 p {_layers(ev["top1_prob"], ".3f")} '
+          f'|W_router| {_layers(ev["router_norm"], ".2f")}')
 
 
 # ----------------------------------------------------------------------------- loop
@@ -194,7 +232,7 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
   graphdef, params, rest = init_model(cfg, tc.seed)
   tx, opt_info = opt_lib.make_optimizer(
       tc.optimizer, tc.lr, total_steps=tc.steps, warmup_steps=tc.warmup,
-      weight_decay=tc.weight_decay, clip_norm=tc.clip_norm)
+      weight_decay=tc.weight_decay, clip_norm=tc.clip_norm, muon_adam_lr=tc.muon_adam_lr)
   # Optimizer state is float32 whatever the weights are (as in the published runs).
   abstract = as_float32(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
   opt_state = tx.init(as_float32(params))
@@ -206,6 +244,8 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
   tokens_per_step = tc.batch_size * data.seq_len
 
   history: dict[str, list] = {'step': [], 'loss': [], 'ce': [], 'aux': [], 'grad_norm': []}
+  if cfg.n_moe_blocks:
+    history['drop_frac'] = []  # training only: evaluation is dropless
   evals: list[dict[str, Any]] = []
   step_times: list[float] = []
   bar = tqdm(range(tc.steps), desc=desc or tc.optimizer, disable=not progress,
@@ -232,11 +272,12 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
       pending = None
       ev = evaluate(eval_step, params, rest, val_batches)
       ev['step'] = step + 1
+      if 'drop_frac' in history:
+        since = evals[-1]['step'] if evals else 0
+        ev['train_drop_frac'] = float(np.mean(history['drop_frac'][since:]))
       evals.append(ev)
       bar.write(f'[{tc.optimizer}] step {step + 1}: val loss {ev["loss"]:.4f} '
-                f'bpb {ev["bpb"]:.3f} ppl {ev["ppl"]:.2f} | aux/floor '
-                f'{ev.get("aux_over_floor", float("nan")):.4f} '
-                f'max expert share x E {ev.get("max_token_frac_x_E", float("nan")):.2f}')
+                f'bpb {ev["bpb"]:.3f} ppl {ev["ppl"]:.2f} | {health_line(ev)}')
     if step % 10 == 0 and history['loss']:
       rate = tokens_per_step / np.median(step_times[-20:]) if step_times else 0.0
       bar.set_postfix(loss=f'{history["loss"][-1]:.3f}', tok_s=f'{rate:,.0f}')
@@ -280,10 +321,10 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
 
 
 def _record(history: dict[str, list], step: int, metrics: dict[str, Any]) -> None:
-  m = jax.device_get({k: metrics[k] for k in ('loss', 'ce', 'aux', 'grad_norm')})
+  m = jax.device_get({k: metrics[k] for k in history if k != 'step'})
   history['step'].append(step)
   for k, v in m.items():
-    history[k].append(float(v))
+    history[k].append(float(np.mean(v)))  # drop_frac: mean over MoE layers
 
 
 def machine_info() -> dict[str, Any]:
@@ -308,17 +349,25 @@ def _num(x: Optional[float], spec: str) -> str:
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:
-  """Markdown: final/best validation loss, bpb, ppl, state bytes, router balance, speed."""
+  """Markdown: final/best validation loss, bpb, ppl, state bytes, router health, speed.
+
+  Router columns are per MoE layer (comma-separated), on validation without noise.
+  """
   lines = ['| optimizer | lr | final val loss | best val loss | bits/byte | perplexity '
-           '| state bytes | aux / floor | tokens/s |',
-           '|---|---:|---:|---:|---:|---:|---:|---:|---:|']
+           '| state bytes | dead experts | max share / uniform | load entropy / log E '
+           '| Switch aux / floor (blind to collapse) | tokens/s |',
+           '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
   for r in results:
-    f = r['final']
+    f, rt = r['final'], r['router']
+    dead = (f'{_layers(rt["dead_experts"], "d")} of {rt["n_experts"]}'
+            if 'dead_experts' in rt else 'n/a')
     lines.append(
         f'| {r.get("label", r["optimizer"]["optimizer"])} | {r["optimizer"]["lr"]:g} | '
         f'{f["loss"]:.4f} | {r["best"]:.4f} | {f["bpb"]:.4f} | {f["ppl"]:.3f} | '
-        f'{r["memory"]["total_state_bytes"]:,} | '
-        f'{r["router"].get("aux_over_floor", float("nan")):.4f} | '
+        f'{r["memory"]["total_state_bytes"]:,} | {dead} | '
+        f'{_layers(rt.get("load_max_x_uniform", float("nan")), ".2f")} | '
+        f'{_layers(rt.get("load_entropy_ratio", float("nan")), ".3f")} | '
+        f'{rt.get("aux_over_floor", float("nan")):.4f} | '
         f'{_num(r["timing"]["tokens_per_s"], ",.0f")} |')
   return '\n'.join(lines)
 
@@ -382,22 +431,179 @@ def plot_losses(results: list[dict[str, Any]], path: Path, title: str = '') -> N
   plt.close(fig)
 
 
+LOAD_CLIP = 4.0  # the load heat map's colours saturate at 2^-4 and 2^4 times uniform
+
+
+def expert_load(record: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+  """`(steps [N], share / uniform [L, E, N])` of a run's evaluations."""
+  evals = [e for e in record['evals'] if 'token_frac' in e]
+  steps = np.asarray([e['step'] for e in evals], np.float64)
+  frac = np.stack([np.asarray(e['token_frac'], np.float64) for e in evals], axis=-1)
+  return steps, frac * frac.shape[1]
+
+
+def _edges(steps: np.ndarray) -> np.ndarray:
+  """Cell edges: each eval's column spans (previous eval, this eval], the first from 0."""
+  return np.concatenate([[0.0 if steps[0] > 0 else -1.0], steps])
+
+
+def draw_expert_load(ax: Any, record: dict[str, Any], title: str) -> Any:
+  """Heat map of log2(share / uniform) per expert (rows) and eval step (columns).
+
+  Experts are sorted by their final share within each MoE layer (most loaded on top),
+  layers are stacked top to bottom, and dead experts (share 0) saturate at the blue
+  end. Returns the mesh (for a colour bar).
+  """
+  steps, load = expert_load(record)
+  n_layers, n_experts, _ = load.shape
+  rows = [layer[np.argsort(layer[:, -1])] for layer in load[::-1]]
+  img = np.log2(np.clip(np.concatenate(rows), 2**-LOAD_CLIP, 2**LOAD_CLIP))
+  mesh = ax.pcolormesh(_edges(steps), np.arange(n_layers * n_experts + 1), img,
+                       cmap='RdBu_r', vmin=-LOAD_CLIP, vmax=LOAD_CLIP, shading='flat')
+  for i in range(1, n_layers):
+    ax.axhline(i * n_experts, color='k', lw=1)
+  ax.set_yticks([(n_layers - 1 - i + 0.5) * n_experts for i in range(n_layers)])
+  ax.set_yticklabels([f'MoE layer {i}' for i in range(n_layers)], rotation=90,
+                     va='center', fontsize=8)
+  ax.set_xlabel('step (each column ends at its evaluation)')
+  ax.set_title(title, fontsize=9)
+  return mesh
+
+
+def _load_colorbar(fig: Any, mesh: Any, axes: Any) -> None:
+  ticks = np.arange(-LOAD_CLIP, LOAD_CLIP + 1, 2)
+  bar = fig.colorbar(mesh, ax=axes, ticks=ticks, fraction=0.05, pad=0.02)
+  bar.ax.set_yticklabels([f'{2.0**t:g}x' if t >= 0 else f'1/{2.0**-t:g}x' for t in ticks])
+  bar.set_label('share / uniform (val, no noise)')
+
+
+def plot_router(records: list[tuple[str, dict[str, Any]]], path: Path,
+                title: str = '') -> None:
+  """Per-expert load over training, one heat-map panel per `(label, record)`.
+
+  With a single record a second panel shows the router health over training: dead
+  experts / E, load entropy / log E, and the router weight norm (right axis).
+  """
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  records = [(label, r) for label, r in records if any('token_frac' in e for e in r['evals'])]
+  if not records:
+    return
+  single = len(records) == 1
+  n = 2 if single else len(records)
+  cols = n if n <= 4 else math.ceil(n / 2)
+  rows = math.ceil(n / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols + 1.6, 3.8 * rows),
+                           squeeze=False, constrained_layout=True)
+  fig.get_layout_engine().set(wspace=0.12)  # room for the colour bar's label
+  flat = list(axes.ravel())
+  heat_axes = flat[:1] if single else flat[:len(records)]
+  mesh = None
+  for ax, (label, r) in zip(heat_axes, records):
+    mesh = draw_expert_load(ax, r, f'{label}: expert load (sorted by final share)')
+  _load_colorbar(fig, mesh, heat_axes)
+  if single:
+    _draw_health(flat[1], records[0][1])
+  for ax in flat[n:]:
+    ax.axis('off')
+  fig.suptitle(title or 'router health over training', fontsize=10)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _draw_health(ax: Any, record: dict[str, Any]) -> None:
+  """Dead experts / E, entropy / log E (left axis) and router norm (right), per layer."""
+  evals = [e for e in record['evals'] if 'token_frac' in e]
+  steps = [e['step'] for e in evals]
+  n_layers = len(evals[0]['token_frac'])
+  twin = ax.twinx()
+  for i in range(n_layers):
+    suffix = f' (layer {i})' if n_layers > 1 else ''
+    ax.plot(steps, [e['dead_experts'][i] / e['n_experts'] for e in evals], 'o-', ms=5,
+            lw=2.5, color='C3', alpha=1 - 0.3 * i, label='dead experts / E' + suffix)
+    ax.plot(steps, [e['load_entropy_ratio'][i] for e in evals], 's:', ms=3,
+            color='C0', alpha=1 - 0.3 * i, label='load entropy / log E' + suffix)
+    twin.plot(steps, [e['router_norm'][i] for e in evals], '^--', ms=3, color='C2',
+              alpha=1 - 0.3 * i, label='router weight norm' + suffix)
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_xlabel('step')
+  ax.set_ylabel('fraction')
+  twin.set_ylabel('router kernel Frobenius norm')
+  twin.set_ylim(bottom=0)
+  lines = ax.get_lines() + twin.get_lines()
+  ax.legend(lines, [line.get_label() for line in lines], fontsize=7, ncol=3,
+            loc='upper center', bbox_to_anchor=(0.5, -0.16))
+  ax.grid(alpha=0.3)
+  ax.set_title('router health (validation, no router noise)', fontsize=9)
+
+
 def write_outputs(result: dict[str, Any], out: str | os.PathLike[str]) -> dict[str, Path]:
-  """Writes `<optimizer>.json`, `<optimizer>.png` and `<optimizer>.md` under `out`."""
+  """Writes `<optimizer>.json`, `.png` (loss), `-router.png` (expert load) and `.md`."""
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   stem = result['optimizer']['optimizer'] + ('-bf16' if result['config']['bf16'] else '')
-  paths = {'json': out / f'{stem}.json', 'png': out / f'{stem}.png', 'md': out / f'{stem}.md'}
+  paths = {'json': out / f'{stem}.json', 'png': out / f'{stem}.png',
+           'router_png': out / f'{stem}-router.png', 'md': out / f'{stem}.md'}
   paths['json'].write_text(json.dumps(result, indent=1, default=str))
-  plot_losses([result], paths['png'], title=f'{stem} on {result["config"]["preset"]}')
+  title = f'{stem} on {result["config"]["preset"]}'
+  plot_losses([result], paths['png'], title=title)
+  plot_router([(stem, result)], paths['router_png'], title=f'{title}: router health')
+  if not paths['router_png'].exists():  # no MoE layer
+    del paths['router_png']
   paths['md'].write_text(report(result) + '\n')
   return paths
+
+
+def router_report(r: dict[str, Any]) -> list[str]:
+  """Markdown lines: router health at the end, over training, and each expert's load."""
+  rt = r['router']
+  if 'token_frac' not in rt:
+    return []
+  e = rt['n_experts']
+  share = np.asarray(rt['token_frac']) * e
+  cf = r['model']['capacity_factor']
+  drop = r['evals'][-1].get('train_drop_frac')
+  lines = [
+      '### Router health (validation, no router noise; dropless)', '',
+      f'Per MoE layer: expert share of the token assignments over the uniform share '
+      f'1/E = 1/{e}; dead = share below {model_lib.DEAD_BELOW:g} x uniform.', '',
+      '| MoE layer | max share / uniform | min share / uniform | dead experts '
+      '| load entropy / log E | mean top-1 router prob | router weight norm |',
+      '|---|---:|---:|---:|---:|---:|---:|']
+  for i in range(len(share)):
+    lines.append(
+        f'| {i} | {rt["load_max_x_uniform"][i]:.2f} | {rt["load_min_x_uniform"][i]:.2f} | '
+        f'{rt["dead_experts"][i]} of {e} | {rt["load_entropy_ratio"][i]:.3f} | '
+        f'{rt["top1_prob"][i]:.3f} (uniform {1 / e:.3f}) | {rt["router_norm"][i]:.3f} |')
+  lines += [
+      '', f'Switch aux loss / floor (1 = uniform probabilities; blind to collapse): '
+      f'{rt["aux_over_floor"]:.4f} (aux {rt["aux"]:.5f}, floor {rt["aux_floor"]:.5f}).']
+  if cf is None:
+    lines.append('Dropped assignments: none by construction (capacity_factor None).')
+  elif drop is not None:
+    lines.append(f'Dropped assignments in training (noisy router, capacity factor {cf:g}), '
+                 f'mean over the last {r["config"]["eval_every"]} steps: '
+                 f'{100 * drop:.2f}%.')
+  lines += ['', 'Over training (per MoE layer, comma-separated):', '',
+            '| step | val loss | max / uniform | min / uniform | dead | entropy / log E '
+            '| top-1 prob | router norm |', '|---:|---:|---:|---:|---:|---:|---:|---:|']
+  for ev in r['evals']:
+    lines.append(
+        f'| {ev["step"]} | {ev["loss"]:.4f} | {_layers(ev["load_max_x_uniform"], ".2f")} | '
+        f'{_layers(ev["load_min_x_uniform"], ".2f")} | {_layers(ev["dead_experts"], "d")} | '
+        f'{_layers(ev["load_entropy_ratio"], ".3f")} | {_layers(ev["top1_prob"], ".3f")} | '
+        f'{_layers(ev["router_norm"], ".3f")} |')
+  lines += ['', '| MoE layer | share / uniform per expert (final) |', '|---|---|']
+  for i, row in enumerate(share):
+    lines.append(f'| {i} | {" ".join(f"{x:.2f}" for x in row)} |')
+  return lines
 
 
 def report(result: dict[str, Any]) -> str:
   """The closing markdown: results, optimizer state per tier, router balance."""
   r = result
-  frac = np.asarray(r['router'].get('token_frac', []))
   lines = [
       f'## {r["optimizer"]["optimizer"]} on `{r["config"]["preset"]}` '
       f'({r["params"]:,} parameters; {r["config"]["steps"]} steps x '
@@ -406,15 +612,7 @@ def report(result: dict[str, Any]) -> str:
       '### Optimizer state per tier (float32 state; `skewadam_jax.memory_report`)', '',
       r['memory']['table'], '',
   ]
-  if frac.size:
-    lines += ['### Router (validation, no noise)', '',
-              f'aux loss {r["router"]["aux"]:.5f} vs floor {r["router"]["aux_floor"]:.5f} '
-              f'(ratio {r["router"]["aux_over_floor"]:.4f}); dropped assignments '
-              f'{100 * r["router"]["drop_frac"]:.2f}%', '',
-              '| MoE layer | token fraction per expert (uniform = '
-              f'{1 / frac.shape[-1]:.4f}) |', '|---|---|']
-    for i, row in enumerate(frac):
-      lines.append(f'| {i} | {" ".join(f"{x:.3f}" for x in row)} |')
+  lines += router_report(r)
   t = r['timing']
   step_ms = None if t['median_step_s'] is None else 1e3 * t['median_step_s']
   lines += ['', f'{_num(t["tokens_per_s"], ",.0f")} tokens/s (median step '
@@ -439,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
               help="tokens per sequence; unset: the preset's max_len")
   _cli.option(p, '--lr', type=float, default=d.lr,
               help='peak learning rate; unset: per optimizer, see optimizers.py')
+  _cli.option(p, '--muon-adam-lr', type=float, default=d.muon_adam_lr,
+              help="peak lr of Muon's Adam branch (embeddings, norms, router); unset: "
+                   f'{opt_lib.ADAM_LR:g}')
   _cli.option(p, '--warmup', type=int, default=d.warmup, help='linear warmup steps')
   _cli.option(p, '--weight-decay', type=float, default=d.weight_decay,
               help='decoupled weight decay')
@@ -453,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
               help='any local directory of text files; unset: the Python stdlib')
   _cli.option(p, '--suffixes', nargs='+', default=list(d.suffixes),
               help='file name endings to read under --data-dir')
-  _cli.option(p, '--out', default=d.out, help='directory for the JSON, PNG and markdown')
+  _cli.option(p, '--out', default=d.out, help='directory for the JSON, PNGs and markdown')
   return p
 
 
@@ -470,9 +671,9 @@ def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
       p.error(f'{flag} must be >= 1, not {value}')
   return TrainConfig(
       optimizer=a.optimizer, preset=a.preset, steps=a.steps, batch_size=a.batch_size,
-      seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
-      eval_every=a.eval_every, eval_batches=a.eval_batches, seed=a.seed, bf16=a.bf16,
-      data_dir=a.data_dir, suffixes=tuple(a.suffixes), out=a.out)
+      seq_len=a.seq_len, lr=a.lr, muon_adam_lr=a.muon_adam_lr, warmup=a.warmup,
+      weight_decay=a.weight_decay, eval_every=a.eval_every, eval_batches=a.eval_batches,
+      seed=a.seed, bf16=a.bf16, data_dir=a.data_dir, suffixes=tuple(a.suffixes), out=a.out)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

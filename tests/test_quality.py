@@ -1,0 +1,143 @@
+"""The resumable optimizer sweep (`benchmarks/quality.py`): plan, resume, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / 'benchmarks'):
+  if str(p) not in sys.path:
+    sys.path.insert(0, str(p))
+
+import quality  # noqa: E402
+from examples.moe_lm import model as model_lib  # noqa: E402
+
+PNG = b'\x89PNG\r\n\x1a\n'
+
+
+def test_plan_is_seed_major_and_muon_has_its_own_grid():
+  args = quality.parse_args(['--optimizers', 'adamw', 'muon', '--lrs', '1e-3', '3e-3',
+                             '--muon-lrs', '0.02', '--seeds', '0', '1', '--steps', '50'])
+  assert [r.name for r in quality.plan(args)] == [
+      'adamw_lr0.001_seed0_steps50', 'muon_lr0.02_seed0_steps50',
+      'adamw_lr0.003_seed0_steps50',
+      'adamw_lr0.001_seed1_steps50', 'muon_lr0.02_seed1_steps50',
+      'adamw_lr0.003_seed1_steps50']
+  muon = quality.train_config(args, quality.Run('muon', 0.02, 1, 50))
+  adamw = quality.train_config(args, quality.Run('adamw', 1e-3, 1, 50))
+  assert (muon.muon_adam_lr, adamw.muon_adam_lr) == (quality.MUON_ADAM_LR, None)
+  # Same schedule, evaluation and batches for every optimizer of a seed.
+  assert (muon.warmup, muon.seed, muon.batch_size) == (adamw.warmup, 1, adamw.batch_size) == (
+      5, 1, 16)
+
+
+def test_default_sweep_covers_the_requested_optimizers():
+  args = quality.parse_args([])
+  assert args.optimizers == ['adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
+                             'skewadam', 'skewadam-adam-eps']
+  assert (args.lrs, args.steps) == ([3e-4, 1e-3, 3e-3], 2000)
+
+
+def test_run_status_reruns_partial_files_and_refuses_other_settings(tmp_path):
+  args = quality.parse_args(['--preset', 'tiny', '--steps', '4'])
+  tc = quality.train_config(args, quality.Run('adamw', 1e-3, 0, 4))
+  path = tmp_path / 'run.json'
+  assert quality.run_status(path, tc)[0] == 'missing'
+  path.write_text('{"config": {')  # a write cut short
+  assert quality.run_status(path, tc)[0] == 'partial'
+  config = quality._comparable(tc)
+  path.write_text(json.dumps({'config': config}))
+  assert quality.run_status(path, tc)[0] == 'partial'
+  path.write_text(json.dumps({'config': config, 'complete': True}))
+  assert quality.run_status(path, tc) == ('done', '')
+  path.write_text(json.dumps({'config': dict(config, eval_every=7), 'complete': True}))
+  status, why = quality.run_status(path, tc)
+  assert status == 'mismatch' and 'eval_every' in why
+
+
+TINY = ['--preset', 'tiny', '--steps', '4', '--lrs', '1e-3', '--seeds', '0',
+        '--optimizers', 'adamw', 'skewadam', '--batch-size', '4', '--eval-every', '2',
+        '--eval-batches', '1']
+
+
+def test_sweep_writes_one_json_per_run_skips_them_next_time_and_reports(tmp_path, capsys):
+  argv = TINY + ['--out', str(tmp_path)]
+  quality.main(argv)
+  runs = sorted((tmp_path / 'runs').glob('*.json'))
+  assert [p.name for p in runs] == ['adamw_lr0.001_seed0_steps4.json',
+                                    'skewadam_lr0.001_seed0_steps4.json']
+  record = json.loads(runs[0].read_text())
+  assert record['complete'] is True
+  assert record['sweep'] == {'optimizer': 'adamw', 'lr': 1e-3, 'seed': 0, 'steps': 4}
+  assert 'load_entropy_ratio' in record['router'] and 'router_norm' in record['evals'][0]
+  mtimes = [p.stat().st_mtime_ns for p in runs]
+  capsys.readouterr()
+
+  text = quality.main(argv)  # the second invocation trains nothing
+  assert '2 runs planned: 2 complete (skipped), 0 to run' in capsys.readouterr().out
+  assert [p.stat().st_mtime_ns for p in runs] == mtimes
+  assert '| adamw | 0.001 |' in text and '| skewadam | 0.001 |' in text
+  for name in ('curves_steps4.png', 'memory_steps4.png', 'router_steps4.png'):
+    assert (tmp_path / name).read_bytes()[:8] == PNG, name
+  summary = json.loads((tmp_path / 'report_steps4.json').read_text())
+  assert [r['optimizer'] for r in summary['rows']] == ['adamw', 'skewadam']
+
+  with pytest.raises(SystemExit, match='other settings'):
+    quality.main(TINY + ['--out', str(tmp_path), '--eval-every', '4'])
+
+
+def _fake_record(optimizer: str, lr: float, seed: int, loss: float, steps: int = 100,
+                 n_experts: int = 4) -> dict:
+  """A complete run JSON as `quality.sweep` writes it, with made-up numbers."""
+  frac = np.full((1, n_experts), 1 / n_experts)
+  health = {k: v.tolist() for k, v in model_lib.load_health(frac).items()}
+  router = dict(health, n_experts=n_experts, token_frac=frac.tolist(), top1_prob=[0.3],
+                router_norm=[1.0 + seed], aux=0.05, aux_floor=0.05, aux_over_floor=1.0)
+  evals = [dict(router, step=s, loss=loss + 1.0 - s / steps) for s in (50, 100)]
+  return {
+      'complete': True,
+      'sweep': {'optimizer': optimizer, 'lr': lr, 'seed': seed, 'steps': steps},
+      'config': {'preset': 'tiny', 'steps': steps, 'warmup': 10, 'weight_decay': 0.1,
+                 'eval_every': 50, 'eval_batches': 2},
+      'optimizer': {'optimizer': optimizer, 'lr': lr},
+      'final': {'loss': loss}, 'evals': evals, 'router': router,
+      'memory': {'total_state_bytes': {'adamw': 1000, 'skewadam': 100}[optimizer]},
+      'timing': {'wall_s': 10.0, 'tokens_per_s': 5000.0 + seed, 'tokens_per_step': 256},
+      'machine': {'cpu_count': 2, 'platform': 'test', 'jax': '0', 'optax': '0', 'flax': '0'},
+      'data': 'fake',
+  }
+
+
+def test_report_picks_the_best_lr_by_the_mean_over_seeds(tmp_path):
+  losses = {('adamw', 1e-3): (2.0, 2.2), ('adamw', 3e-3): (2.05, 2.07),
+            ('skewadam', 1e-3): (1.9, 1.95), ('skewadam', 3e-3): (2.5, 2.6)}
+  for (name, lr), pair in losses.items():
+    for seed, loss in enumerate(pair):
+      r = _fake_record(name, lr, seed, loss)
+      path = tmp_path / 'runs' / f'{quality.Run(**r["sweep"]).name}.json'
+      path.parent.mkdir(exist_ok=True)
+      path.write_text(json.dumps(r))
+  # An unfinished run is not reported.
+  (tmp_path / 'runs' / 'adamw_lr0.01_seed0_steps100.json').write_text(
+      json.dumps(dict(_fake_record('adamw', 1e-2, 0, 0.5), complete=False)))
+  text = quality.main(['--report-only', '--preset', 'tiny', '--steps', '100',
+                       '--out', str(tmp_path)])
+  rows = {r['optimizer']: r for r in json.loads(
+      (tmp_path / 'report_steps100.json').read_text())['rows']}
+  # AdamW: 3e-3 has the lower mean (2.06 < 2.1) although 1e-3 has the lowest single run.
+  assert rows['adamw']['best_lr'] == 3e-3 and rows['adamw']['best_at_edge']
+  assert rows['adamw']['loss_mean'] == pytest.approx(2.06)
+  assert rows['adamw']['loss_std'] == pytest.approx(np.std([2.05, 2.07], ddof=1))
+  assert rows['skewadam']['best_lr'] == 1e-3
+  assert rows['skewadam']['gap_vs_baseline'] == pytest.approx(1.925 - 2.06)
+  assert rows['skewadam']['router']['router_norm'] == [1.5]  # mean over the seeds
+  assert rows['skewadam']['router']['dead_experts'] == [0.0]
+  assert set(rows['adamw']['per_lr']) == {'0.001', '0.003'}
+  assert '| skewadam | 0.001 | 1.9250 ± 0.0354 (2) | -0.1350 (-6.55%) | 100 |' in text
+  assert 'yes: extend the grid' in text
+  assert (tmp_path / 'memory_steps100.png').read_bytes()[:8] == PNG

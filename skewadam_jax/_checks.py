@@ -144,3 +144,10 @@ def check_float_leaf(path: str, dtype: Any, where: str) -> None:
         'boolean leaves out: give the optimizer only the floating parameters (e.g. '
         '`nnx.Optimizer(model, tx, wrt=nnx.Param)`), or wrap it as `optax.masked(tx, '
         'mask)` with `mask` False on this leaf.')
+
+
+def check_transform(tx: Any) -> None:
+  """Raises unless `tx` looks like an optax GradientTransformation (init and update)."""
+  if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
+    raise TypeError('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
+                    f'or optax.adamw(1e-3)), got {type(tx).__name__} {tx!r}.')

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from skewadam_jax import _checks
 from skewadam_jax import _labels
 from skewadam_jax import _tiered
 from skewadam_jax import _tree
@@ -145,9 +146,7 @@ def memory_report(params: Any, tx: optax.GradientTransformation, *,
   Returns:
     A `MemoryReport`; `.format()` renders it as a markdown table.
   """
-  if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
-    raise TypeError('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
-                    f'or optax.adamw(1e-3)), got {type(tx).__name__} {tx!r}.')
+  _checks.check_transform(tx)
   labels = _labels.resolve_labels(params, param_labels)
   flat_labels = jax.tree_util.tree_structure(params).flatten_up_to(labels)
   by_label = state_bytes_by_label(abstract_state(tx, params), params, labels)

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from jax.sharding import Sharding
 
+from skewadam_jax import _checks
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 
@@ -187,12 +188,6 @@ def _flat_param_specs(params: Any, param_shardings: Any) -> tuple[list[Any], Opt
   return specs, (meshes.pop() if meshes else None)
 
 
-def _check_transform(tx: Any) -> None:
-  if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
-    raise TypeError('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
-                    f'or optax.adamw(1e-3)), got {type(tx).__name__} {tx!r}.')
-
-
 def _traced_init(tx: optax.GradientTransformation, params: Any
                  ) -> tuple[Any, list[Optional[tuple[str, int, Any]]]]:
   """`jax.eval_shape(tx.init, params)`, and per state leaf what its estimator recorded."""
@@ -261,7 +256,7 @@ def state_shardings(
     >>> shardings[0].inner_states['experts'].inner_state.v_row['experts']['w1']
     P('expert', None)
   """
-  _check_transform(tx)
+  _checks.check_transform(tx)
   specs, named_mesh = _flat_param_specs(params, param_shardings)
   mesh = mesh if mesh is not None else named_mesh
   abstract, recorded = _traced_init(tx, params)

@@ -170,7 +170,10 @@ def memory_report(params: Any, tx: optax.GradientTransformation, *,
 
 def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
                 param_labels: Any = None) -> list[_labels.LeafReport]:
-  """Every leaf with its path, shape, tier, estimator and SkewAdam state bytes.
+  """Every leaf with its path, shape, tier, estimator, SkewAdam state bytes and a note.
+
+  The note says how structure or axis names decided a leaf's tier, or why its label is
+  a guess (what the labeler also warns about), so unsure leaves show up in the table.
 
   Args:
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s (Flax states too).
@@ -181,11 +184,11 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
     A list of `LeafReport`, one per leaf, in tree order.
   """
   tiers = dict(_tiered.PUBLISHED_TIERS if tiers is None else tiers)
-  labels = _labels.expand_labels(params, _labels.resolve_labels(params, param_labels),
-                                 tiers)
+  labels, notes = _labels.labels_and_notes(params, param_labels)
+  labels = _labels.expand_labels(params, labels, tiers)
   leaves, treedef = _tree.flatten_with_paths(params)
   rows = []
-  for (path, p), label in zip(leaves, treedef.flatten_up_to(labels)):
+  for (path, p), label, note in zip(leaves, treedef.flatten_up_to(labels), notes):
     tier = tiers[label]
     abstract = jax.ShapeDtypeStruct(tuple(p.shape), p.dtype)
     state = jax.eval_shape(lambda a, tier=tier, path=path: _tiered.init_leaf(tier, path, a),
@@ -193,19 +196,21 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
     rows.append(_labels.LeafReport(
         path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)), tier=label,
         second_moment=_tiered.leaf_estimator(tuple(p.shape), tier).name,
-        param_bytes=leaf_bytes(p), state_bytes=state_bytes(state)))
+        param_bytes=leaf_bytes(p), state_bytes=state_bytes(state), note=note))
   return rows
 
 
 def format_label_table(rows: list[_labels.LeafReport]) -> str:
-  """`label_table` rows as an aligned, readable text table."""
-  header = ('path', 'shape', 'dtype', 'tier', 'second moment', 'state bytes')
+  """`label_table` rows as an aligned, readable text table (notes in the last column)."""
+  header = ('path', 'shape', 'dtype', 'tier', 'second moment', 'state bytes', 'note')
   body = [(r.path, 'x'.join(map(str, r.shape)) or '()', r.dtype, r.tier,
-           r.second_moment, f'{r.state_bytes:,}') for r in rows]
+           r.second_moment, f'{r.state_bytes:,}', r.note) for r in rows]
   widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
   fmt = '  '.join(f'{{:{">" if i == 5 else "<"}{w}}}' for i, w in enumerate(widths))
-  out = [fmt.format(*header), fmt.format(*('-' * w for w in widths))]
-  out += [fmt.format(*row) for row in body]
+  out = [fmt.format(*header).rstrip(), fmt.format(*('-' * w for w in widths))]
+  out += [fmt.format(*row).rstrip() for row in body]
   total = sum(r.state_bytes for r in rows)
-  out.append(f'{len(rows)} leaves, {total:,} B of optimizer state ({total / GIB:.3f} GiB)')
+  unsure = sum(r.note.startswith('UNSURE') for r in rows)
+  out.append(f'{len(rows)} leaves, {total:,} B of optimizer state ({total / GIB:.3f} GiB)'
+             + (f'; {unsure} unsure labels (see note)' if unsure else ''))
   return '\n'.join(out)

@@ -1,9 +1,12 @@
 """The MoE labeler on real Flax models and on MaxText/Flaxformer/HF-style trees."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import skewadam_jax as sj
@@ -60,7 +63,11 @@ def test_whole_segments_only():
 def test_user_rules_come_first_and_default_is_backbone():
   tree = {'moe': {'experts': {'w1': jnp.zeros((2, 3, 4))}, 'router': jnp.zeros((3, 2))},
           'mystery': jnp.zeros(3)}
-  labels = sj.moe_param_labels(tree, rules=[('moe/router', 'backbone'), ('mystery', 'experts')])
+  # The user's rule leaves the experts without a router: reported, labels unchanged.
+  with pytest.warns(_labels.UnsureLabelWarning,
+                    match="moe/experts/w1: labelled 'experts' but no leaf .* 'router'"):
+    labels = sj.moe_param_labels(tree, rules=[('moe/router', 'backbone'),
+                                              ('mystery', 'experts')])
   assert labels == {'moe': {'experts': {'w1': 'experts'}, 'router': 'backbone'},
                     'mystery': 'experts'}
   only_user = sj.moe_param_labels(tree, rules=[('w1', 'router')], use_default_rules=False)
@@ -110,3 +117,218 @@ def test_prefix_label_tree_is_broadcast():
   updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
   assert jax.tree.structure(updates) == jax.tree.structure(params)
   assert isinstance(optax.tree_utils.tree_get(state, 'inner_states'), dict)
+
+
+# ---------------------------------------------------------------------------- rules
+
+
+def _quiet_labels(tree, **kwargs):
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    return _labels_by_path_of(sj.moe_param_labels(tree, **kwargs))
+
+
+def _labels_by_path_of(labels):
+  leaves, _ = jax.tree_util.tree_flatten_with_path(labels)
+  return {_tree.path_str(p): label for p, label in leaves}
+
+
+def test_double_star_never_reaches_into_shared_experts():
+  assert not _labels.match_path('*moe*/**/wi_0', 'moe_block/shared_experts/wi_0/kernel')
+  assert not _labels.match_path('*moe*/**/wi_0', 'moe/SharedExpert_0/inner/wi_0')
+  assert _labels.match_path('*moe*/**/wi_0', 'moe_block/MoeBlock_0/wi_0')
+  assert _labels.match_path('moe/shared_experts/wi_0', 'x/moe/shared_experts/wi_0/kernel')
+
+
+def test_shared_experts_are_backbone_inside_an_moe_block():
+  z = jnp.zeros
+  tree = {'DeepSeekMoeBlock_0': {
+      'MoeBlock_0': {'gate': {'kernel': z((8, 4))}, 'wi_0': z((4, 8, 6)), 'wo': z((4, 6, 8))},
+      'shared_experts': {'wi_0': {'kernel': z((8, 6))}, 'wo': {'kernel': z((6, 8))}},
+      'shared_mlp': {'wi': {'kernel': z((8, 6))}}}}
+  assert _quiet_labels(tree) == {
+      'DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel': 'router',
+      'DeepSeekMoeBlock_0/MoeBlock_0/wi_0': 'experts',
+      'DeepSeekMoeBlock_0/MoeBlock_0/wo': 'experts',
+      'DeepSeekMoeBlock_0/shared_experts/wi_0/kernel': 'backbone',
+      'DeepSeekMoeBlock_0/shared_experts/wo/kernel': 'backbone',
+      'DeepSeekMoeBlock_0/shared_mlp/wi/kernel': 'backbone'}
+
+
+def test_new_names_routed_experts_router_logits_scales_and_biases():
+  z = jnp.zeros
+  tree = {'mlp': {'routed_experts': {'gate': {'kernel': z((8, 4))}, 'wi_0': z((4, 8, 6))},
+                  'shared_expert_gate': {'kernel': z((8, 1))}},
+          'moe': {'router_logits': {'w': z((8, 4))}, 'router_scale': z(8),
+                  'per_expert_scale': z(4), 'experts': {'w': z((4, 8, 6))},
+                  'MoeBlock_0': {'wo': z((4, 6, 8)), 'wo_bias': z((4, 8))}}}
+  assert _quiet_labels(tree) == {
+      'mlp/routed_experts/gate/kernel': 'router', 'mlp/routed_experts/wi_0': 'experts',
+      'mlp/shared_expert_gate/kernel': 'backbone',
+      'moe/router_logits/w': 'router', 'moe/router_scale': 'router',
+      'moe/per_expert_scale': 'experts', 'moe/experts/w': 'experts',
+      'moe/MoeBlock_0/wo': 'experts', 'moe/MoeBlock_0/wo_bias': 'experts'}
+
+
+# ---------------------------------------------------------------------------- structure
+
+
+def test_experts_beside_a_router_by_their_leading_axis():
+  """gemma's MoE is called `mlp`: only the router's name and the shapes say so."""
+  z = jnp.zeros
+  layer = {'attn': {'attn_vec_einsum': {'w': z((4, 8, 16))}},  # 4 heads = E, elsewhere
+           'mlp': {'router_logits': {'w': z((16, 4))}, 'gating_einsum': {'w': z((4, 2, 6, 16))},
+                   'linear': {'w': z((4, 6, 16))}},
+           'mlp2': {'gating_einsum': z((2, 6, 16)), 'linear': z((6, 16))}}
+  labels = _quiet_labels({'layer_0': layer})
+  assert labels == {
+      'layer_0/attn/attn_vec_einsum/w': 'backbone',
+      'layer_0/mlp/router_logits/w': 'router', 'layer_0/mlp/gating_einsum/w': 'experts',
+      'layer_0/mlp/linear/w': 'experts',
+      'layer_0/mlp2/gating_einsum': 'backbone', 'layer_0/mlp2/linear': 'backbone'}
+  rows = {r.path: r.note for r in sj.label_table({'layer_0': layer})}
+  assert rows['layer_0/mlp/linear/w'] == (
+      'structure: leading axis 4 = the expert count of router layer_0/mlp/router_logits/w')
+
+
+def test_a_dense_kernel_beside_a_bank_of_e_experts_is_the_router():
+  z = jnp.zeros
+  tree = {'moe': {'experts': {'w1': z((4, 8, 6)), 'w2': z((4, 6, 8))},
+                  'gating': {'proj': {'kernel': z((8, 4)), 'bias': z(4)}}},
+          'mlp': {'kernel': z((8, 4))}}  # [d, 4] outside the MoE block: not a router
+  assert _quiet_labels(tree) == {
+      'moe/experts/w1': 'experts', 'moe/experts/w2': 'experts',
+      'moe/gating/proj/kernel': 'router', 'moe/gating/proj/bias': 'router',
+      'mlp/kernel': 'backbone'}
+
+
+class _LinenExpert(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(mm.D, name='wo')(nn.gelu(nn.Dense(mm.F, name='wi')(x)))
+
+
+class _LinenGate(nn.Module):
+  """A router that is a plain dense layer inside a module named for the gate."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(mm.E)(x)
+
+
+class _LinenPerExpertMoE(nn.Module):
+  """One Linen module per expert (`expert_0..expert_{E-1}`), Switch-style."""
+
+  @nn.compact
+  def __call__(self, x):
+    probs = jax.nn.softmax(_LinenGate(name='TopKGate')(x))
+    ys = [_LinenExpert(name=f'expert_{i}')(x) for i in range(mm.E)]
+    return sum(p[..., None] * y for p, y in zip(jnp.moveaxis(probs, -1, 0), ys))
+
+
+def test_one_module_per_expert_and_a_gate_module_router():
+  variables = _LinenPerExpertMoE().init(jax.random.key(0), jnp.zeros((2, mm.D)))
+  labels = _quiet_labels(variables)
+  assert labels['params/TopKGate/Dense_0/kernel'] == 'router'
+  assert labels['params/TopKGate/Dense_0/bias'] == 'router'
+  experts = [p for p in labels if '/expert_' in p]
+  assert len(experts) == 4 * mm.E and all(labels[p] == 'experts' for p in experts)
+  # Same labels on the pure arrays, and with a trailing `value` at init.
+  boxed = jax.tree.map(lambda x: {'value': x}, variables)
+  assert _quiet_labels(boxed) == labels
+
+
+def test_structure_works_on_abstract_leaves_and_under_jit():
+  z = jnp.zeros
+  tree = {'layer': {'mlp': {'router_logits': {'w': z((16, 4))}, 'linear': {'w': z((4, 6, 16))}}}}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  expected = _quiet_labels(tree)
+  assert _quiet_labels(abstract) == expected
+  seen = {}
+
+  @jax.jit
+  def f(t):
+    seen.update(_labels_by_path_of(sj.moe_param_labels(t)))
+    return t
+
+  f(tree)
+  assert seen == expected
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+def test_experts_without_router_and_router_without_experts_are_reported():
+  with pytest.warns(_labels.UnsureLabelWarning, match="moe/experts/w1: labelled 'experts'"):
+    sj.moe_param_labels({'moe': {'experts': {'w1': jnp.zeros((4, 8, 6))}}})
+  with pytest.warns(_labels.UnsureLabelWarning, match="moe/router: labelled 'router'"):
+    sj.moe_param_labels({'moe': {'router': jnp.zeros((8, 4))}})
+  with pytest.raises(ValueError, match=r"moe/router: .*sj\.make_labeler"):
+    sj.moe_param_labels({'moe': {'router': jnp.zeros((8, 4))}}, strict=True)
+  # The user's own rules are not guesses.
+  quiet = sj.make_labeler([('moe/router', 'router')], strict=True)
+  assert quiet({'moe': {'router': jnp.zeros((8, 4))}}) == {'moe': {'router': 'router'}}
+
+
+def test_format_label_table_has_a_note_column():
+  tree = {'moe': {'experts': {'w1': jnp.zeros((4, 8, 6))}}}
+  with pytest.warns(_labels.UnsureLabelWarning):
+    text = sj.format_label_table(sj.label_table(tree))
+  header = text.splitlines()[0].split()
+  assert header[-1] == 'note'
+  assert "UNSURE: labelled 'experts' but no leaf of the tree is labelled 'router'" in text
+  assert text.splitlines()[-1].endswith('1 unsure labels (see note)')
+
+
+# ---------------------------------------------------------------------------- axis names
+
+
+class _NamedBank(nnx.Module):
+  """An expert bank that only its logical axis names identify (no name, no router nearby)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.1)
+    with nnx.use_eager_sharding(False):
+      self.tok = nnx.Embed(mm.V, mm.D, rngs=rngs)
+      self.moe = nnx.Dict(router=nnx.Linear(mm.D, mm.E, use_bias=False, rngs=rngs))
+      self.ffn_bank = nnx.Param(init(rngs.params(), (mm.E, mm.D, mm.F)),
+                                out_sharding=('exp', 'embed', 'mlp'))
+
+  def __call__(self, tokens):
+    x = self.tok(tokens)
+    gates = jax.nn.softmax(self.moe['router'](x))
+    h = jnp.einsum('btd,edf->btef', x, self.ffn_bank[...])
+    return jnp.sum(jnp.einsum('btef,bte->btf', h, gates) ** 2)
+
+
+def test_axis_names_only_confirm_in_a_labeler_function():
+  state = nnx.state(_NamedBank(nnx.Rngs(0)), nnx.Param)
+  with pytest.warns(_labels.UnsureLabelWarning) as rec:
+    labels = sj.moe_param_labels(state)  # names do not decide: same as on pure arrays
+  assert _labels_by_path_of(labels)['ffn_bank'] == 'backbone'
+  # Without names the bank looks like a dense `ffn`; the lone router still gets reported.
+  with pytest.warns(_labels.UnsureLabelWarning, match="moe/router/kernel: labelled 'router'"):
+    pure = sj.make_labeler()(nnx.to_pure_dict(state))
+  assert _labels_by_path_of(pure) == _labels_by_path_of(labels)
+  message = str(rec[0].message)
+  assert "ffn_bank [4, 16, 24]: axis 0 is named 'exp' but the leaf is 'backbone'" in message
+  assert 'use_axis_names=True' in message
+
+
+def test_label_tree_from_axis_names_trains_with_nnx_optimizer():
+  model = _NamedBank(nnx.Rngs(0))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    labels = sj.moe_param_labels(nnx.state(model, nnx.Param), use_axis_names=True)
+    assert _labels_by_path_of(labels) == {'tok/embedding': 'backbone',
+                                          'moe/router/kernel': 'router',
+                                          'ffn_bank': 'experts'}
+    # The label tree (of variables) also labels the pure arrays `update` passes.
+    opt = nnx.Optimizer(model, sj.skewadam(1e-2, param_labels=labels), wrt=nnx.Param)
+    tokens = jnp.arange(6).reshape(2, 3) % mm.V
+    before = model.ffn_bank[...]
+    opt.update(model, nnx.grad(lambda m: m(tokens))(model))
+  assert not jnp.allclose(before, model.ffn_bank[...])
+  inner = optax.tree_utils.tree_get(opt.opt_state, 'inner_states')
+  v_row = optax.tree_utils.tree_get(inner['experts'], 'v_row')
+  assert v_row['ffn_bank'].shape == (mm.E, mm.D)  # factored per expert: the experts tier

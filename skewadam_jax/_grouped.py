@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec
 
 from skewadam_jax import _checks
 from skewadam_jax import _exact
+from skewadam_jax import _metadata
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 from skewadam_jax import _xla
@@ -436,8 +437,12 @@ def scale_by_grouped_second_moment(
       mus.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
       nus.append(estimator.init(p, path, dtype=nu_dtype or p.dtype)['v'])
       _second_moment.record_leaf(path, estimator, tuple(p.shape), mus[-1], {'v': nus[-1]})
+    # Flax boxes of `nu` name the axes it keeps (pooling keeps them all: the param's).
+    nu = _metadata.rename_boxes(
+        params, treedef.unflatten(nus), lambda path, shape, names: _metadata.spec_names(
+            estimator.specs(names, shape, None, path)['v']))
     return GroupedSecondMomentState(
-        count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mus), nu=treedef.unflatten(nus))
+        count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mus), nu=nu)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args  # unused; accepted so that the transform chains like optax's

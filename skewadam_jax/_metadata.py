@@ -1,0 +1,132 @@
+"""Axis names of the optimizer state's Flax boxes, for the Flax sharding route.
+
+`nnx.Optimizer` hands `tx.init` the params as `nnx.Param` Variables whose metadata
+(`out_sharding`) names each axis, e.g. `('embed', 'layers', 'q_heads', 'kv')`, and Linen
+boxed params (`nn.Partitioned`, `nn.LogicallyPartitioned`) carry the same in `names`.
+A state field built with the params' treedef puts every statistic in a box with its
+parameter's names, which is right for momentum but not for the reduced statistics
+(factored `v_row` drops the column axis, `v_col` the row axes). Flax's route,
+`nn.logical_to_mesh_sharding(nnx.get_partition_spec(state), mesh, rules)`, reads those
+names, so each statistic's box must name the axes the statistic keeps:
+`rename_boxes` gives it the names the statistic's estimator derives from the
+parameter's (the same derivation as its PartitionSpec in `state_shardings`).
+
+Flax is not a dependency: boxes are only looked for when Flax is loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import jax
+from jax.sharding import PartitionSpec
+
+from skewadam_jax import _labels
+from skewadam_jax import _tree
+
+Names = tuple[Any, ...]  # one axis name (or None) per dimension
+# Where a box keeps its axis names: `out_sharding` since Flax 0.12 (which turns the
+# older `sharding_names` and `sharding` into it), those two before.
+_NNX_KEYS = ('out_sharding', 'sharding_names', 'sharding')
+
+
+def _box_value(box: Any) -> Any:
+  """The array (or `jax.ShapeDtypeStruct`) in a box, or None (e.g. `optax.MaskedNode`)."""
+  leaves = jax.tree.leaves(box)
+  if len(leaves) == 1 and hasattr(leaves[0], 'shape'):
+    return leaves[0]
+  return None
+
+
+def _is_axis_metadata(box: Any) -> bool:
+  meta = sys.modules.get('flax.core.meta')
+  return meta is not None and isinstance(box, getattr(meta, 'AxisMetadata', ()))
+
+
+def with_names(box: Any, names: Names) -> Any:
+  """A copy of a Flax box (NNX Variable or Linen AxisMetadata) naming its axes `names`.
+
+  NNX Variables get every one of `out_sharding`, `sharding_names` and `sharding` that
+  their metadata holds; Linen boxes get `names`. A box without axis names is returned
+  as is.
+  """
+  names = tuple(names)
+  if _is_axis_metadata(box):
+    if getattr(box, 'names', None) is None or not hasattr(box, 'replace'):
+      return box
+    return box.replace(names=names)
+  get = getattr(box, 'get_metadata', None)
+  metadata = get() if callable(get) else getattr(box, 'metadata', None)
+  if not isinstance(metadata, dict):
+    return box
+  keys = [k for k in _NNX_KEYS if metadata.get(k) is not None]
+  if not keys:
+    return box
+  return box.replace(**{k: names for k in keys})
+
+
+def rename_boxes(
+    params: Any,
+    field: Any,
+    names_for: Callable[[str, tuple[int, ...], Names], Optional[Names]],
+) -> Any:
+  """`field` with each of its Flax boxes naming the axes its statistic keeps.
+
+  `field` is a state field built from `params`' treedef, so that every box of `params`
+  (an NNX Variable or a Linen AxisMetadata) faces a box of `field` holding the
+  parameter's statistic. For each box of `params` whose value is an array and that has
+  axis names, `names_for(path, param_shape, names)` gives the statistic's names (`names`
+  padded with None to one per dimension); it returns None to keep the box unchanged.
+  Boxes holding no array (`optax.MaskedNode` of unused or masked-out fields: Flax's
+  route gives them a spec that matches no array, which `jit` accepts) and anything
+  that is not a box are kept as they are.
+
+  Args:
+    params: the parameters, as `tx.init` received them.
+    field: a tree with `params`' structure (down to `params`' boxes and leaves).
+    names_for: the statistic's axis names, or None for the parameter's.
+
+  Returns:
+    `field`, with renamed copies of the boxes whose names change.
+  """
+  types = _labels._box_types()  # noqa: SLF001
+  if not types:
+    return field
+
+  def is_box(x: Any) -> bool:
+    return isinstance(x, types)
+
+  def rename(path: tuple[Any, ...], param: Any, stat: Any) -> Any:
+    if not (is_box(param) and is_box(stat)):
+      return stat
+    value = _box_value(param)
+    names = _labels._box_names(param)  # noqa: SLF001
+    if value is None or names is None or not jax.tree.leaves(stat):
+      return stat
+    shape = tuple(value.shape)
+    if len(names) > len(shape):
+      return stat  # not one name per axis: nothing to derive from
+    names = names + (None,) * (len(shape) - len(names))
+    new = names_for(_tree.path_str(path), shape, names)
+    if new is None or tuple(new) == names:
+      return stat
+    return with_names(stat, tuple(new))
+
+  return jax.tree_util.tree_map_with_path(rename, params, field, is_leaf=is_box)
+
+
+def spec_names(spec: Any) -> Optional[Names]:
+  """The names of an estimator's spec for one statistic (names standing in for mesh axes).
+
+  A PartitionSpec gives its entries; a pytree of specs (a statistic made of several
+  arrays, all in one box) gives the entries they share, or `()` (replicated) if they
+  differ, as one box cannot name the axes of arrays of different ranks.
+  """
+  if isinstance(spec, PartitionSpec):
+    return tuple(spec)
+  specs = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  if not specs or not all(isinstance(s, PartitionSpec) for s in specs):
+    return None
+  first = tuple(specs[0])
+  return first if all(tuple(s) == first for s in specs) else ()

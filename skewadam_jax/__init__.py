@@ -27,6 +27,8 @@ from skewadam_jax._second_moment import Step
 from skewadam_jax._labels import DEFAULT_RULES
 from skewadam_jax._labels import make_labeler
 from skewadam_jax._labels import moe_param_labels
+# Batch axes: which axes of each leaf index independent matrices (experts, layers).
+from skewadam_jax._axes import moe_batch_axes
 # Reports: what each leaf gets and costs, before training (nothing is allocated).
 from skewadam_jax._labels import LeafReport
 from skewadam_jax._memory import format_label_table
@@ -68,6 +70,7 @@ __all__ = (
     'label_table',
     'make_labeler',
     'memory_report',
+    'moe_batch_axes',
     'moe_param_labels',
     'optimizer_state_bytes',
     'scale_by_grouped_second_moment',

@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import jax
 import optax
 
+from skewadam_jax import _axes
 from skewadam_jax import _checks
 from skewadam_jax import _grouped
 from skewadam_jax import _labels
@@ -48,6 +49,7 @@ def skewadam(
     *,
     tiers: Optional[Mapping[str, _tiered.Tier]] = None,
     param_labels: Union[Any, Callable[[Any], Any], None] = None,
+    batch_axes: Union[Any, Callable[[Any], Any], None] = None,
 ) -> optax.GradientTransformation:
   r"""SkewAdam: Adam with optimizer state allocated by parameter tier.
 
@@ -73,6 +75,11 @@ def skewadam(
     param_labels: a pytree of tier names matching the params, or a function of the
       params returning one; default `moe_param_labels`. A function is called on the
       params at `init` and on the updates at `update`, so it must label both alike.
+    batch_axes: each leaf's batch axes, the axes that index independent matrices (the
+      expert axis, a scanned layer axis, wherever it sits): a tree of int tuples
+      matching the params, or a function of the params returning one; default
+      `moe_batch_axes` (from paths, shapes and labels). Factored statistics and the
+      clip are per batch slice; see `scale_by_tiered_adam`.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -93,14 +100,34 @@ def skewadam(
   _checks.check_learning_rate(learning_rate)
   tiers = _check_tiers(tiers)
   labeler = tier_labeler(tiers, param_labels)
-  transforms = {name: _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier)
-                for name, tier in tiers.items()}
+  for tier in tiers.values():  # checks the hyperparameters now, not at the first init
+    _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier)
+  if batch_axes is not None and not callable(batch_axes):
+    batch_axes_tree = batch_axes
+    batch_axes = lambda params: batch_axes_tree  # noqa: E731
+
+  def partition(params: Any) -> optax.GradientTransformation:
+    # Labels and batch axes come from the whole tree (structure sees a router beside its
+    # experts, every leaf of a scanned stack); each tier's rule then sees only its
+    # leaves, looking its batch axes up by path.
+    labels = labeler(params)
+    axes = (_axes.moe_batch_axes(params, labels) if batch_axes is None
+            else batch_axes(params))
+    transforms = {name: _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier, batch_axes=axes)
+                  for name, tier in tiers.items()}
+    return optax.partition(transforms, labels)
+
+  def init_fn(params: Any) -> Any:
+    return partition(params).init(params)
+
+  def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    return partition(updates).update(updates, state, params)
 
   def decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda label: tiers[label].weight_decay, labeler(params))
 
   return optax.chain(
-      optax.partition(transforms, labeler),
+      optax.GradientTransformation(init_fn, update_fn),
       optax.add_decayed_weights(weight_decay, decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -8,7 +8,9 @@ Per leaf, with `bc2 = 1 - b2^t`::
 
 The statistic has the parameter's shape (and sharding). It is the published router
 tier's estimator, and the one that factored and grouped tiers fall back to for leaves
-they cannot reduce (1-D leaves, scalars).
+they cannot reduce (1-D leaves, scalars, and leaves whose non-batch part is 1-D, such
+as a per-expert bias [E, F] or a scanned norm scale [d, L]). Batch axes matter only to
+the RMS clip, which is per batch slice.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ class Exact(_second_moment.SecondMoment):
     Kingma & Ba, Adam: A Method for Stochastic Optimization, 2015.
   """
 
+  batch_axes: Optional[tuple[int, ...]] = None  # None: all but the last two axes
   name = 'exact'
+
+  def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+               ) -> _second_moment.SecondMoment:
+    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    return self if batch_axes == self.batch_axes else Exact(batch_axes)
 
   def init(self, param: Any, path: str) -> Stats:
     del path
@@ -53,7 +61,8 @@ class Exact(_second_moment.SecondMoment):
       return x_.astype(jnp.float32) * scale / (jnp.sqrt(v_ / bc2_) + eps_)
 
     operands = (x, v, step.num_scale, jnp.asarray(step.eps, jnp.float32), step.bc2)
-    return _second_moment.clipped(u_of, operands, g.ndim, step.clip), {'v': v}
+    return _second_moment.clipped(u_of, operands, g.ndim, step.clip, self.batch_axes), {
+        'v': v}
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:

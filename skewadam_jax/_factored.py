@@ -14,6 +14,12 @@ Leaves with fewer than two dimensions get the exact estimator. With the floor, `
 separable (`x_ij a_i b_j`), so the RMS clip needs only one weighted pass over `x` and
 the final pass multiplies by a row and a column factor: no full-size temporary.
 
+Batch axes can sit anywhere (MaxText stacks scanned layers at axis 1: a norm scale
+[d, L], a query kernel [d, L, heads, head_dim]). Given a leaf's batch axes, the other
+axes form its matrix: the last of them is the column axis `C`, the others together the
+rows `R` (as if the leaf were reshaped to [batch, prod(R), C], reduced in place with no
+transpose). A leaf with fewer than two non-batch axes gets the exact estimator.
+
 References:
   Shazeer & Stern, Adafactor: Adaptive Learning Rates with Sublinear Memory Cost, 2018.
   Where Should Optimizer State Live? Tiered State Allocation for Memory-Efficient
@@ -23,6 +29,8 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Mapping, Optional
 
 import jax
@@ -87,27 +95,77 @@ def normalised_rows(v_row: jax.Array) -> jax.Array:
   return v_row / jnp.maximum(mean, ROW_MEAN_FLOOR)
 
 
-def is_factored(shape: tuple[int, ...]) -> bool:
-  """Whether a leaf of `shape` gets a factored second moment (ndim >= 2)."""
-  return len(shape) >= 2
+def is_factored(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+                ) -> bool:
+  """Whether a leaf gets a factored second moment (two or more non-batch axes)."""
+  return len(_second_moment.matrix_axes(len(shape), batch_axes)) >= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Where the rows and the column of a leaf's matrices sit, for any batch axes."""
+  ndim: int
+  rows: tuple[int, ...]  # the row axes, in the leaf
+  col: int  # the column axis, in the leaf
+
+  @classmethod
+  def of(cls, ndim: int, batch_axes: tuple[int, ...]) -> _Layout:
+    matrix = _second_moment.matrix_axes(ndim, batch_axes)
+    return cls(ndim, matrix[:-1], matrix[-1])
+
+  @property
+  def rows_in_v_row(self) -> tuple[int, ...]:
+    """The row axes in `v_row` (the leaf without its column axis)."""
+    return tuple(a - (a > self.col) for a in self.rows)
+
+  def row_factor(self, a: jax.Array) -> jax.Array:
+    """A `v_row`-shaped array, broadcastable against the leaf."""
+    return jnp.expand_dims(a, self.col)
+
+  def col_factor(self, a: jax.Array) -> jax.Array:
+    """A `v_col`-shaped array, broadcastable against the leaf."""
+    return jnp.expand_dims(a, self.rows)
+
+  def drop(self, spec: Spec, axes: tuple[int, ...]) -> PartitionSpec:
+    return PartitionSpec(*(e for i, e in enumerate(spec) if i not in axes))
 
 
 @dataclasses.dataclass(frozen=True)
 class Factored(_second_moment.SecondMoment):
-  """Row/column statistics per matrix over the last two axes (exact for ndim < 2)."""
+  """Row/column statistics per matrix (exact for leaves with < 2 non-batch axes).
 
+  Attributes:
+    batch_axes: the leaf's batch axes (sorted, non-negative), or None for the default
+      (every axis before the last two); `for_leaf` sets it per leaf.
+  """
+
+  batch_axes: Optional[tuple[int, ...]] = None
   name = 'factored'
 
-  def for_leaf(self, shape: tuple[int, ...]) -> _second_moment.SecondMoment:
-    return self if is_factored(shape) else _exact.EXACT
+  def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+               ) -> _second_moment.SecondMoment:
+    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    if not is_factored(shape, batch_axes):
+      return _exact.Exact(batch_axes)
+    return self if batch_axes == self.batch_axes else Factored(batch_axes)
+
+  def _layout(self, ndim: int) -> Optional[_Layout]:
+    return None if self.batch_axes is None else _Layout.of(ndim, self.batch_axes)
 
   def init(self, param: Any, path: str) -> Stats:
     del path
-    v_row, v_col = zero_row_col(param)
+    layout = self._layout(len(param.shape))
+    if layout is None:
+      v_row, v_col = zero_row_col(param)
+    else:
+      v_row, v_col = _zero_row_col_at(param, layout.rows, layout.col)
     return {'v_row': v_row, 'v_col': v_col}
 
   def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
              ) -> tuple[jax.Array, Stats]:
+    layout = self._layout(g.ndim)
+    if layout is not None:
+      return _update_at(layout, g, stats, x, step)
     row_mean, col_mean = row_col_means(g)
     v_row = step.b2 * stats['v_row'] + (1.0 - step.b2) * row_mean
     v_col = step.b2 * stats['v_col'] + (1.0 - step.b2) * col_mean
@@ -125,9 +183,61 @@ class Factored(_second_moment.SecondMoment):
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:
-    del shape, mesh, path
+    del mesh, path
+    layout = self._layout(len(shape))
+    if layout is not None:
+      return {'v_row': layout.drop(spec, (layout.col,)), 'v_col': layout.drop(spec, layout.rows)}
     return {'v_row': PartitionSpec(*spec[:-1]),
             'v_col': PartitionSpec(*spec[:-2], *spec[-1:])}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _zero_row_col_at(p: jax.Array, rows: tuple[int, ...], col: int
+                     ) -> tuple[jax.Array, jax.Array]:
+  """`zero_row_col` for row axes `rows` and column axis `col` anywhere in the leaf."""
+  zeros = jnp.zeros_like(p, dtype=jnp.float32)
+  return zeros.sum(axis=col), zeros.sum(axis=rows)
+
+
+def _update_at(layout: _Layout, g: jax.Array, stats: Stats, x: jax.Array, step: Step
+               ) -> tuple[jax.Array, Stats]:
+  """The factored update for any layout of batch, row and column axes.
+
+  The same arithmetic as the default layout's path, with reductions over the row axes
+  and the column axis wherever they sit (no transposes).
+  """
+  g_row, g_col = _xla.cpu_barrier((g, g))
+  g_row = g_row.astype(jnp.float32)
+  g_col = g_col.astype(jnp.float32)
+  v_row = step.b2 * stats['v_row'] + (1.0 - step.b2) * jnp.mean(g_row * g_row, axis=layout.col)
+  v_col = step.b2 * stats['v_col'] + (1.0 - step.b2) * jnp.mean(g_col * g_col,
+                                                                  axis=layout.rows)
+  mean = jnp.mean(v_row, axis=layout.rows_in_v_row, keepdims=True)
+  rows = v_row / jnp.maximum(mean, ROW_MEAN_FLOOR)
+  new = {'v_row': v_row, 'v_col': v_col}
+  if step.floor:
+    col_inv = jax.lax.rsqrt(jnp.maximum(v_col, step.eps))
+    row_scale = step.num_scale * jax.lax.rsqrt(jnp.maximum(rows, step.eps))
+    if step.clip is not None:
+      xb, cb = _xla.cpu_barrier((x, col_inv))
+      sumsq = jnp.sum(jnp.square(xb.astype(jnp.float32) * layout.col_factor(cb)),
+                      axis=layout.col)
+      sumsq = _xla.cpu_fusion_boundary(sumsq)
+      size = math.prod(x.shape[a] for a in layout.rows + (layout.col,))
+      ms = jnp.sum(sumsq * jnp.square(row_scale), axis=layout.rows_in_v_row,
+                   keepdims=True) / size
+      row_scale = row_scale / jnp.maximum(1.0, jnp.sqrt(ms) / step.clip)
+    u = x.astype(jnp.float32) * layout.row_factor(row_scale) * layout.col_factor(col_inv)
+    return u, new
+
+  def u_of(x_, row_d, col_d, scale, eps_):
+    return x_.astype(jnp.float32) * scale / (row_d * col_d + eps_)
+
+  operands = (x, layout.row_factor(jnp.sqrt(rows)),
+              layout.col_factor(jnp.sqrt(v_col / step.bc2)), step.num_scale,
+              jnp.asarray(step.eps, jnp.float32))
+  batch = tuple(a for a in range(layout.ndim) if a not in layout.rows + (layout.col,))
+  return _second_moment.clipped(u_of, operands, g.ndim, step.clip, batch), new
 
 
 def _separable_update(x: jax.Array, rows: jax.Array, v_col: jax.Array, step: Step

@@ -294,14 +294,20 @@ class Grouped(_second_moment.SecondMoment):
   group_size: int = 8
   axis: int = -1
   axis_arg: str = dataclasses.field(default='axis', compare=False)
+  batch_axes: Optional[tuple[int, ...]] = None  # per leaf (`for_leaf`); None: default
   name = 'grouped'
 
   def __post_init__(self):
     _checks.check_positive_int('group_size', self.group_size)
     _checks.check_axis(self.axis, self.axis_arg)
 
-  def for_leaf(self, shape: tuple[int, ...]) -> _second_moment.SecondMoment:
-    return self if len(shape) >= 1 else _exact.EXACT
+  def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+               ) -> _second_moment.SecondMoment:
+    if len(shape) < 1:
+      return _exact.EXACT
+    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    return self if batch_axes == self.batch_axes else dataclasses.replace(
+        self, batch_axes=batch_axes)
 
   def leaf_axis(self, shape: tuple[int, ...], path: str) -> Optional[int]:
     """The non-negative axis a leaf of `shape` is pooled along (None for 0-d)."""
@@ -341,6 +347,11 @@ class Grouped(_second_moment.SecondMoment):
                     shape: tuple[int, ...], step: Step) -> jax.Array:
     """`max(1, rms(u) / clip)` per matrix, from pooled arrays where the layout allows."""
     ax, s = self.leaf_axis(shape, step.path), self.group_size
+    if self.batch_axes is not None:  # slices other than the last two axes: the general path
+      expand = functools.partial(self.expand, shape=shape, path=step.path)
+      return _second_moment.clip_divisor(
+          lambda x_, d, scale: x_.astype(jnp.float32) * scale / expand(d),
+          (x, denom, step.num_scale), len(shape), step.clip, self.batch_axes)
     inside = len(shape) < 2 or ax >= len(shape) - 2  # groups lie inside one matrix
     if inside and step.x_is_grad:
       # sum(u^2) = sum over groups of num_scale^2 * (sum of g^2 in the group) / denom^2:

@@ -586,6 +586,7 @@ class LeafReport:
   param_bytes: int
   state_bytes: int
   note: str = ''  # how structure / axis names decided it, or why the label is a guess
+  batch_axes: tuple[int, ...] = ()  # axes indexing independent matrices (experts, layers)
 
 
 # ---------------------------------------------------------------------------- label trees

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from skewadam_jax import _axes
 from skewadam_jax import _checks
 from skewadam_jax import _labels
 from skewadam_jax import _tiered
@@ -169,16 +170,21 @@ def memory_report(params: Any, tx: optax.GradientTransformation, *,
 
 
 def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
-                param_labels: Any = None) -> list[_labels.LeafReport]:
-  """Every leaf with its path, shape, tier, estimator, SkewAdam state bytes and a note.
+                param_labels: Any = None, batch_axes: Any = None
+                ) -> list[_labels.LeafReport]:
+  """Every leaf with its path, shape, tier, batch axes, estimator, state bytes and a note.
 
   The note says how structure or axis names decided a leaf's tier, or why its label is
   a guess (what the labeler also warns about), so unsure leaves show up in the table.
+  The batch axes are the axes its statistics and clip are separate along (the expert
+  axis, a scanned layer axis); the other axes form its matrix.
 
   Args:
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s (Flax states too).
     tiers: tier name -> `Tier`; default `PUBLISHED_TIERS`.
     param_labels: a label tree or labeler function; default `moe_param_labels`.
+    batch_axes: a tree of int tuples or a function returning one, as in `skewadam`;
+      default `moe_batch_axes`.
 
   Returns:
     A list of `LeafReport`, one per leaf, in tree order.
@@ -187,26 +193,30 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
   labels, notes = _labels.labels_and_notes(params, param_labels)
   labels = _labels.expand_labels(params, labels, tiers)
   leaves, treedef = _tree.flatten_with_paths(params)
+  axes, _ = _axes.batch_axes_and_notes(params, labels, batch_axes)
   rows = []
-  for (path, p), label, note in zip(leaves, treedef.flatten_up_to(labels), notes):
+  for (path, p), label, note, ax in zip(leaves, treedef.flatten_up_to(labels), notes, axes):
     tier = tiers[label]
     abstract = jax.ShapeDtypeStruct(tuple(p.shape), p.dtype)
-    state = jax.eval_shape(lambda a, tier=tier, path=path: _tiered.init_leaf(tier, path, a),
-                           abstract)
+    state = jax.eval_shape(
+        lambda a, tier=tier, path=path, ax=ax: _tiered.init_leaf(tier, path, a, ax), abstract)
     rows.append(_labels.LeafReport(
         path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)), tier=label,
-        second_moment=_tiered.leaf_estimator(tuple(p.shape), tier).name,
-        param_bytes=leaf_bytes(p), state_bytes=state_bytes(state), note=note))
+        second_moment=_tiered.leaf_estimator(tuple(p.shape), tier, ax, path).name,
+        param_bytes=leaf_bytes(p), state_bytes=state_bytes(state), note=note,
+        batch_axes=tuple(ax)))
   return rows
 
 
 def format_label_table(rows: list[_labels.LeafReport]) -> str:
   """`label_table` rows as an aligned, readable text table (notes in the last column)."""
-  header = ('path', 'shape', 'dtype', 'tier', 'second moment', 'state bytes', 'note')
+  header = ('path', 'shape', 'dtype', 'tier', 'batch axes', 'second moment', 'state bytes',
+            'note')
   body = [(r.path, 'x'.join(map(str, r.shape)) or '()', r.dtype, r.tier,
-           r.second_moment, f'{r.state_bytes:,}', r.note) for r in rows]
+           ','.join(map(str, r.batch_axes)) or '-', r.second_moment, f'{r.state_bytes:,}',
+           r.note) for r in rows]
   widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-  fmt = '  '.join(f'{{:{">" if i == 5 else "<"}{w}}}' for i, w in enumerate(widths))
+  fmt = '  '.join(f'{{:{">" if i == 6 else "<"}{w}}}' for i, w in enumerate(widths))
   out = [fmt.format(*header).rstrip(), fmt.format(*('-' * w for w in widths))]
   out += [fmt.format(*row).rstrip() for row in body]
   total = sum(r.state_bytes for r in rows)

@@ -64,9 +64,16 @@ class SecondMoment(abc.ABC):
 
   name: str = 'second moment'
 
-  def for_leaf(self, shape: tuple[int, ...]) -> SecondMoment:
-    """The estimator a leaf of `shape` gets (e.g. `Factored` gives 1-D leaves `Exact`)."""
-    del shape
+  def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+               ) -> SecondMoment:
+    """The estimator a leaf of `shape` gets (e.g. `Factored` gives 1-D leaves `Exact`).
+
+    `batch_axes` are the leaf's axes that index independent matrices (a scanned layer
+    axis, the expert axis), sorted and non-negative; None means the default, every axis
+    before the last two. An estimator must keep its statistics and its clip separate
+    along them. The default ignores them (override it to honour them).
+    """
+    del shape, batch_axes
     return self
 
   @abc.abstractmethod
@@ -95,9 +102,50 @@ class SecondMoment(abc.ABC):
         v) for k, v in stats.items()}
 
 
+def default_batch_axes(ndim: int) -> tuple[int, ...]:
+  """The batch axes a leaf gets unless told otherwise: every axis before the last two."""
+  return tuple(range(max(ndim - 2, 0)))
+
+
+def matrix_axes(ndim: int, batch_axes: Optional[tuple[int, ...]]) -> tuple[int, ...]:
+  """The axes that are not batch axes (the matrix, or vector, of each batch slice)."""
+  batch = default_batch_axes(ndim) if batch_axes is None else batch_axes
+  return tuple(a for a in range(ndim) if a not in batch)
+
+
+def normalise_batch_axes(batch_axes: Any, shape: tuple[int, ...], path: str
+                         ) -> Optional[tuple[int, ...]]:
+  """`batch_axes` checked against `shape`: sorted non-negative ints, or None (default).
+
+  The default layout (every axis before the last two) is returned as None, so leaves
+  in today's layout keep the estimators' original code path.
+
+  Raises:
+    TypeError: if `batch_axes` is not None or a sequence of ints.
+    ValueError: if an axis is out of range for the leaf or repeated.
+  """
+  if batch_axes is None:
+    return None
+  if isinstance(batch_axes, (str, bytes)) or not hasattr(batch_axes, '__iter__'):
+    raise TypeError(f'`batch_axes` of {path} must be a tuple of ints (or None for the '
+                    f'default), got {batch_axes!r}.')
+  axes = tuple(batch_axes)
+  if not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+    raise TypeError(f'`batch_axes` of {path} must be a tuple of ints, got {batch_axes!r}.')
+  ndim = len(shape)
+  if any(not -ndim <= a < ndim for a in axes):
+    raise ValueError(f'`batch_axes` {axes} of {path} are out of range for its shape '
+                     f'{tuple(shape)}: allowed axes are {-ndim}..{ndim - 1}.')
+  normal = tuple(sorted(a % ndim for a in axes))
+  if len(set(normal)) != len(normal):
+    raise ValueError(f'`batch_axes` {axes} of {path} name an axis twice.')
+  return None if normal == default_batch_axes(ndim) else normal
+
+
 def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim: int,
-                 clip: float) -> jax.Array:
-  """`max(1, rms(u) / clip)`, rms over the last two axes (the whole leaf if ndim < 2).
+                 clip: float, batch_axes: Optional[tuple[int, ...]] = None) -> jax.Array:
+  """`max(1, rms(u) / clip)`, rms per batch slice (default: over the last two axes, the
+  whole leaf if ndim < 2).
 
   `u = u_of(*operands)` is recomputed inside the reduction from operands passed through
   an optimisation barrier on the CPU: without it XLA:CPU materialises the full-size `u` that feeds
@@ -105,17 +153,22 @@ def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim
   operands too, or XLA materialises their full-size broadcast, shared by both passes.
   """
   u = u_of(*_xla.cpu_barrier(operands))
-  axes = (-2, -1) if ndim >= 2 else None
-  rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=ndim >= 2))
+  if batch_axes is None:
+    axes = (-2, -1) if ndim >= 2 else None
+    keep = ndim >= 2
+  else:
+    axes, keep = matrix_axes(ndim, batch_axes), True
+  rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=keep))
   return jnp.maximum(1.0, rms / clip)
 
 
 def clipped(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim: int,
-            clip: Optional[float]) -> jax.Array:
-  """`u = u_of(*operands)`, RMS-clipped per matrix when `clip` is set."""
+            clip: Optional[float], batch_axes: Optional[tuple[int, ...]] = None
+            ) -> jax.Array:
+  """`u = u_of(*operands)`, RMS-clipped per batch slice when `clip` is set."""
   u = u_of(*operands)
   if clip is not None:
-    u = u / clip_divisor(u_of, operands, ndim, clip)
+    u = u / clip_divisor(u_of, operands, ndim, clip, batch_axes)
   return u
 
 

@@ -12,6 +12,7 @@ per expert, the router an exact one. Each estimator lives in its own module
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import jax
@@ -22,6 +23,7 @@ from skewadam_jax import _checks
 from skewadam_jax import _exact
 from skewadam_jax import _factored
 from skewadam_jax import _grouped
+from skewadam_jax import _metadata
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 
@@ -37,13 +39,13 @@ class Tier:
     momentum: keep a first moment (EMA of gradients) for this tier.
     mu_dtype: dtype the first moment is stored in (float32 as published).
     second_moment: `'factored'` (row/column statistics for leaves with ndim >= 2,
-      per matrix over leading batch axes; exact for ndim < 2), `'exact'` (Adam's full
+      per matrix over the batch axes; exact for < 2 non-batch axes), `'exact'` (Adam's full
       second moment), `'grouped'` (AdamPM pooling over `group_size` neighbours), or an
       estimator object (a `skewadam_jax.SecondMoment`, e.g. one of your own).
     group_size: group size of the `'grouped'` estimator.
     group_axis: axis the `'grouped'` estimator pools along.
-    clip_threshold: RMS clip of the update (over the last two axes, i.e. per expert
-      for stacked experts), or None for no clipping.
+    clip_threshold: RMS clip of the update (per slice of the batch axes, i.e. per
+      expert for stacked experts), or None for no clipping.
     eps_mode: `'floor'` (as published: `eps` floors the uncorrected second moment
       inside the square root) or `'adam'` (`u = m_hat / (sqrt(v_hat) + eps)`).
     weight_decay: whether decoupled weight decay applies to this tier.
@@ -126,19 +128,70 @@ class TieredAdamState(NamedTuple):
   v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else MaskedNode.
 
 
-def leaf_estimator(shape: tuple[int, ...], tier: Tier) -> _second_moment.SecondMoment:
-  """The second-moment estimator a leaf of `shape` gets under `tier`."""
-  return tier.estimator.for_leaf(tuple(shape))
+def _for_leaf(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
+              batch_axes: Optional[tuple[int, ...]]) -> _second_moment.SecondMoment:
+  """`estimator.for_leaf`, also for user estimators written as `for_leaf(self, shape)`."""
+  try:
+    params = inspect.signature(estimator.for_leaf).parameters
+  except (TypeError, ValueError):
+    params = {}
+  takes_axes = 'batch_axes' in params or len(params) >= 2 or any(
+      p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values())
+  if takes_axes:
+    return estimator.for_leaf(shape, batch_axes)
+  return estimator.for_leaf(shape)
 
 
-def init_leaf(tier: Tier, path: str, p: Any) -> tuple[Any, dict[str, Any]]:
+def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
+                   path: str = 'leaf') -> _second_moment.SecondMoment:
+  """The second-moment estimator a leaf of `shape` with `batch_axes` gets under `tier`."""
+  shape = tuple(shape)
+  axes = _second_moment.normalise_batch_axes(batch_axes, shape, path)
+  return _for_leaf(tier.estimator, shape, axes)
+
+
+def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None
+              ) -> tuple[Any, dict[str, Any]]:
   """A leaf's momentum (or MaskedNode) and its statistics, one entry per state field."""
   _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
-  estimator = leaf_estimator(tuple(p.shape), tier)
+  estimator = leaf_estimator(tuple(p.shape), tier, batch_axes, path)
   mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else optax.MaskedNode()
   stats = dict(estimator.init(p, path))
   _second_moment.record_leaf(path, estimator, tuple(p.shape), mu, stats)
   return mu, {k: stats.get(k, optax.MaskedNode()) for k in _second_moment.STAT_FIELDS}
+
+
+def _is_axes(x: Any) -> bool:
+  return x is None or (isinstance(x, (tuple, list)) and all(
+      isinstance(a, int) and not isinstance(a, bool) for a in x))
+
+
+def leaf_batch_axes(batch_axes: Any, tree: Any, paths: list[str]) -> list[Any]:
+  """Each leaf's batch axes (None: the default) from `batch_axes` for `tree`.
+
+  `batch_axes` is None, a tree of axis tuples matching `tree` by structure or by
+  normalised path (so a tree computed once from an `nnx.State` also fits the pure
+  arrays of `update`), or a function of `tree` returning one.
+  """
+  if batch_axes is None:
+    return [None] * len(paths)
+  if callable(batch_axes):
+    batch_axes = batch_axes(tree)
+  flat, _ = jax.tree_util.tree_flatten_with_path(batch_axes, is_leaf=_is_axes)
+  table = {}
+  for key_path, axes in flat:
+    if not _is_axes(axes):
+      raise TypeError(f'`batch_axes` must be a tree of int tuples (or None), got '
+                      f'{axes!r} at {_tree.path_str(key_path)}.')
+    table[_tree.path_str(key_path)] = None if axes is None else tuple(axes)
+  if len(flat) == 1 and not flat[0][0] and len(paths) != 1:  # one tuple for every leaf
+    return [table['<root>']] * len(paths)
+  missing = [p for p in paths if p not in table]
+  if missing:
+    raise ValueError(f'`batch_axes` has no entry for {missing[:5]}: it must be a tree of '
+                     'int tuples with the parameters\' structure (or paths), or a function '
+                     'returning one, e.g. sj.moe_batch_axes.')
+  return [table[p] for p in paths]
 
 
 def scale_by_tiered_adam(
@@ -147,20 +200,22 @@ def scale_by_tiered_adam(
     eps: Any = 1e-8,
     *,
     tier: Optional[Tier] = None,
+    batch_axes: Any = None,
     **tier_options: Any,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates with one SkewAdam tier's rule.
 
   Per leaf, with `bc1 = 1 - b1^t`, `bc2 = 1 - b2^t` and gradients in float32::
 
-    factored (ndim >= 2, leading axes are batch axes, e.g. experts):
+    factored (>= 2 non-batch axes; batch axes per `batch_axes`, by default the leading
+    ones, e.g. experts; shown here for the default layout):
       r <- b2 r + (1 - b2) mean(g^2, -1);   c <- b2 c + (1 - b2) mean(g^2, -2)
       D = sqrt(max(r / max(mean(r), 1e-15), eps)) [.., :, None] * sqrt(max(c, eps)) [.., None, :]
-    exact (also every leaf with ndim < 2):  v <- b2 v + (1 - b2) g^2;  D = sqrt(max(v, eps))
+    exact (also every leaf with < 2 non-batch axes):  v <- b2 v + (1 - b2) g^2;  D = sqrt(max(v, eps))
     grouped:  nu <- b2 nu + (1 - b2) groupmean(g^2);  D = sqrt(max(expand(nu), eps))
     u = m sqrt(bc2) / bc1 / D  with m <- b1 m + (1 - b1) g   (momentum)
         g sqrt(bc2) / D                                       (no momentum)
-    u = u / max(1, rms(u) / clip)      (rms per matrix: over the last two axes)
+    u = u / max(1, rms(u) / clip)      (rms per matrix: per slice of the batch axes)
 
   With `eps_mode='adam'`, `u = m_hat / (sqrt(v_hat) + eps)` instead, `v_hat` being the
   bias-corrected exact, factored (`r / mean(r)` times `c`) or pooled estimate.
@@ -171,6 +226,13 @@ def scale_by_tiered_adam(
     eps: floor on the uncorrected second moment (`eps_mode='floor'`) or Adam's
       additive term (`eps_mode='adam'`).
     tier: the tier's static configuration; default `Tier()`.
+    batch_axes: each leaf's batch axes, the axes that index independent matrices (a
+      scanned layer axis, the expert axis), wherever they sit: a tree of int tuples
+      matching the params (by structure or path), a function of the params returning
+      one (e.g. `sj.moe_batch_axes`), or None for the default (every axis before the
+      last two). Statistics and the clip are per batch slice; the other axes form the
+      matrix (the last of them its columns); a leaf whose non-batch part is 1-D gets
+      the exact estimate.
     **tier_options: overrides of `tier`'s fields, e.g. `momentum=False`.
 
   Returns:
@@ -196,11 +258,27 @@ def scale_by_tiered_adam(
 
   def init_fn(params):
     leaves, treedef = _tree.flatten_with_paths(params)
-    mus, stats = zip(*[init_leaf(tier, path, p) for path, p in leaves]) if leaves else ((), ())
+    axes = leaf_batch_axes(batch_axes, params, [path for path, _ in leaves])
+    mus, stats = zip(*[init_leaf(tier, path, p, a) for (path, p), a in zip(leaves, axes)]
+                     ) if leaves else ((), ())
     fields = {k: treedef.unflatten([s[k] for s in stats]) for k in _second_moment.STAT_FIELDS}
+    # Flax boxes (NNX Variables, Linen Partitioned) of each statistic name the axes it
+    # keeps, as its estimator derives them from the parameter's axis names.
+    axes_of = dict(zip([path for path, _ in leaves], axes))
+
+    def estimator_at(path, shape):  # the estimator init_leaf gave the leaf
+      return leaf_estimator(shape, tier, axes_of.get(path), path)
+
+    def names_for(field):
+      def names(path, shape, param_names):
+        specs = estimator_at(path, shape).specs(param_names, shape, None, path)
+        return _metadata.spec_names(specs[field]) if field in specs else None
+      return names
+
+    fields = {k: _metadata.rename_boxes(params, v, names_for(k)) for k, v in fields.items()}
     return TieredAdamState(jnp.zeros([], jnp.int32), treedef.unflatten(list(mus)), **fields)
 
-  def update_leaf(path, g, mu, stats, bc1, bc2):
+  def update_leaf(path, g, mu, stats, bc1, bc2, axes):
     # Every full-size array below is either an input, a state output or computed inside
     # the one fused pass that also applies the update: statistics come from reductions
     # over the stored arrays, and nothing of the leaf's size is materialised in between.
@@ -217,7 +295,7 @@ def scale_by_tiered_adam(
     step = _second_moment.Step(
         b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
         clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
-    estimator = leaf_estimator(tuple(g.shape), tier)
+    estimator = leaf_estimator(tuple(g.shape), tier, axes, path)
     present = {k: v for k, v in stats.items() if not isinstance(v, optax.MaskedNode)}
     u, new = estimator.update(g, present, x, step)
     return u.astype(g.dtype), mu, {k: new.get(k, optax.MaskedNode()) for k in stats}
@@ -232,8 +310,9 @@ def scale_by_tiered_adam(
     t = count.astype(jnp.float32)
     bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
     bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
-    out = [update_leaf(path, g, mu, s, bc1, bc2)
-           for (path, g), mu, s in zip(leaves, mus, stats)]
+    axes = leaf_batch_axes(batch_axes, updates, [path for path, _ in leaves])
+    out = [update_leaf(path, g, mu, s, bc1, bc2, a)
+           for (path, g), mu, s, a in zip(leaves, mus, stats, axes)]
     fields = {k: treedef.unflatten([o[2][k] for o in out]) for k in _second_moment.STAT_FIELDS}
     return treedef.unflatten([o[0] for o in out]), TieredAdamState(
         count, treedef.unflatten([o[1] for o in out]), **fields)

@@ -1,0 +1,256 @@
+"""Batch axes: which axes of each leaf index independent matrices.
+
+A factored second moment treats a leaf as a stack of matrices. The axes that index
+the stack (the batch axes) must be the ones along which the model's matrices are
+independent: the expert axis of an expert bank, and the layer axis of scanned layers,
+wherever it sits (MaxText stacks layers at axis 1: a norm scale [d, L], a query kernel
+[d, L, heads, head_dim], an expert bank [E, L, d, f]). Statistics and the RMS clip are
+then per slice, and a leaf whose other axes form a vector gets the exact estimate.
+
+`moe_batch_axes` decides each leaf's batch axes, in order, by
+
+1. the user's rules `(pattern, axes)` (whole-segment globs, first match wins);
+2. logical axis names, only with `use_axis_names=True`: axes named like a layer stack
+   (`layers`, `dense_layers`, `local_layers`, `stage`, ...) or experts (`exp`, ...);
+3. structure, from paths and shapes:
+   * scanned layers: under a module called `layers`, `*_layers`, `scanned_blocks`, ...
+     (not followed by a numbered sub-module, as unrolled `layers/0` are), the one
+     axis position that has the same length in every leaf is the layer axis (nested
+     scans add one axis per level);
+   * the expert tier: axis 0 is the expert axis of a stacked bank (also for a
+     per-expert bias [E, F] or scale [E] beside a stacked kernel [E, ..., d, f]);
+   * gemma's `kv_einsum` stacks k and v on axis 0;
+   * outside attention, axes before the last two of what is left stay batch axes, as
+     by default (attention head axes are part of the matrix);
+4. the default, every axis before the last two.
+
+Only paths and shapes are used (plus axis names where asked), so `init` (Flax boxes)
+and `update` (the pure arrays that `nnx.Optimizer` passes) get the same axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import Any, Iterable, Optional, Sequence
+
+import jax
+
+from skewadam_jax import _labels
+from skewadam_jax import _second_moment
+from skewadam_jax import _tree
+
+AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
+
+# Logical axis names of a stack of layers (MaxText: 'layers', 'dense_layers',
+# 'moe_layers', 'local_layers'; pipeline stages).
+_LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
+# Modules that hold scanned (stacked) layers when they are not followed by an index.
+_SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
+_ATTENTION = ('attn', 'attention')
+# Built-in rules: gemma stacks the k and v projections of `kv_einsum` on axis 0.
+DEFAULT_AXES_RULES: tuple[AxesRule, ...] = (('*kv_einsum/w', (0,)),)
+
+
+@dataclasses.dataclass
+class _Leaf:
+  path: str
+  segs: tuple[str, ...]  # lowercase normalised segments
+  shape: tuple[int, ...]
+  names: Optional[tuple[Any, ...]]
+  tier: Any
+  axes: Optional[set[int]] = None  # decided batch axes
+  source: str = ''
+  scan: set[int] = dataclasses.field(default_factory=set)
+
+
+def _named(entry: Any, pattern: Any, names: frozenset[str]) -> bool:
+  entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+  return any(isinstance(e, str) and (bool(pattern.match(e.lower())) or e.lower() in names)
+             for e in entries)
+
+
+def _scan_containers(leaves: list[_Leaf]) -> list[str]:
+  """Adds the layer axes of scanned stacks to `leaf.scan`; returns unsure findings."""
+  containers: dict[tuple[str, ...], list[_Leaf]] = {}
+  for leaf in leaves:
+    for i, seg in enumerate(leaf.segs[:-1]):
+      if _SCAN_SEGMENT.match(seg) and not leaf.segs[i + 1].isdigit():
+        containers.setdefault(leaf.segs[:i + 1], []).append(leaf)
+  unsure = []
+  for prefix in sorted(containers, key=len):  # outer stacks first
+    members = containers[prefix]
+    if len(members) < 2:
+      continue
+    known = set.intersection(*(m.scan for m in members))
+    ndim = min(len(m.shape) for m in members)
+    common = [p for p in range(ndim) if p not in known
+              and len({m.shape[p] for m in members}) == 1]
+    if len(common) == 1:
+      for m in members:
+        m.scan.add(common[0])
+    elif len(common) > 1:
+      unsure.append(f"{'/'.join(prefix)}: axes {common} have the same length in all "
+                    f'{len(members)} leaves, so which one stacks the layers is unclear; '
+                    "pass batch_axes rules, e.g. sj.moe_batch_axes(params, rules=[('"
+                    f"{'/'.join(prefix)}/**', ({common[0]},))])")
+  return unsure
+
+
+def _banked(leaves: list[_Leaf]) -> set[int]:
+  """Indices of experts-tier leaves whose axis 0 is the expert axis of a stacked bank.
+
+  A per-expert bias [E, F] or scale [E] sits beside a stacked kernel [E, ..., d, f]
+  (rank >= 3, same leading length) under its own parent module; an expert written as
+  its own module (`expert_0/w` [d, f]) has no such neighbour, and keeps the default.
+  """
+  stacked = [x for x in leaves if x.tier == 'experts' and len(x.shape) >= 3]
+  out = set()
+  for i, leaf in enumerate(leaves):
+    if leaf.tier != 'experts' or not leaf.shape:
+      continue
+    parent = leaf.segs[:-1]
+    if any(y is not leaf and y.segs[:len(parent)] == parent and y.shape[0] == leaf.shape[0]
+           for y in stacked):
+      out.add(i)
+  return out
+
+
+def _structure(leaf: _Leaf, banked: bool) -> set[int]:
+  axes = set(leaf.scan)
+  ndim = len(leaf.shape)
+  if banked:
+    axes.add(0)
+  if not any(a in seg for seg in leaf.segs for a in _ATTENTION):
+    rest = [a for a in range(ndim) if a not in axes]
+    axes.update(rest[:-2])
+  return axes
+
+
+def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
+           use_axis_names: bool = False, warn: bool = True
+           ) -> tuple[list[_Leaf], Any]:
+  """Every leaf of `params` with its batch axes decided (flattening order), and treedef."""
+  names = _labels._axis_names_by_path(params) if use_axis_names else {}  # noqa: SLF001
+  full_labels = _labels.resolve_labels(params, labels)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  tiers = treedef.flatten_up_to(full_labels)
+  leaves = []
+  for (path, x), tier in zip(flat, tiers):
+    segs = _tree.path_segments(path)
+    leaves.append(_Leaf(path='/'.join(segs) or '<root>',
+                        segs=tuple(s.lower() for s in segs), shape=_labels._shape(x),  # noqa: SLF001
+                        names=names.get(segs), tier=tier))
+  compiled = [(_labels._compile(p), tuple(a), p) for p, a in rules]  # noqa: SLF001
+  defaults = [(_labels._compile(p), tuple(a), p) for p, a in DEFAULT_AXES_RULES]  # noqa: SLF001
+  for leaf in leaves:
+    for pat, axes, text in compiled:
+      if _labels._match_span(pat, leaf.segs) is not None:  # noqa: SLF001
+        ndim = len(leaf.shape)
+        leaf.axes = {a % ndim for a in _check_rule_axes(text, axes, leaf)}
+        leaf.source = f'rule {text!r}'
+        break
+  for leaf in leaves:
+    if leaf.axes is None and leaf.names is not None and len(leaf.names) == len(leaf.shape):
+      leaf.axes = {i for i, e in enumerate(leaf.names)
+                   if _named(e, _LAYER_AXIS_NAME, _labels.EXPERT_AXIS_NAMES)}
+      leaf.source = 'axis names'
+  unsure = _scan_containers(leaves)
+  banked = _banked(leaves)
+  for i, leaf in enumerate(leaves):
+    if leaf.axes is not None:
+      continue
+    for pat, axes, text in defaults:
+      if _labels._match_span(pat, leaf.segs) is not None and len(leaf.shape) > max(axes):  # noqa: SLF001
+        leaf.axes = set(axes) | leaf.scan
+        leaf.source = f'default rule {text!r}'
+        break
+    else:
+      leaf.axes = _structure(leaf, i in banked)
+      default = set(_second_moment.default_batch_axes(len(leaf.shape)))
+      leaf.source = 'default' if leaf.axes == default and not leaf.scan else 'structure'
+  if unsure and warn:
+    body = '\n'.join(f'  - {line}' for line in unsure)
+    warnings.warn(f'skewadam_jax batch axes: these stacks are ambiguous:\n{body}',
+                  _labels.UnsureLabelWarning, stacklevel=3)
+  return leaves, treedef
+
+
+def _check_rule_axes(text: str, axes: tuple[int, ...], leaf: _Leaf) -> tuple[int, ...]:
+  ndim = len(leaf.shape)
+  bad = [a for a in axes if not -ndim <= a < ndim]
+  if bad:
+    raise ValueError(f'batch-axes rule {text!r} gives axes {axes} to {leaf.path} of shape '
+                     f'{leaf.shape}: allowed axes are {-ndim}..{ndim - 1}.')
+  return axes
+
+
+def _check_rules(rules: Optional[Iterable[AxesRule]]) -> tuple[AxesRule, ...]:
+  out = []
+  for rule in rules or ():
+    ok = (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+          and isinstance(rule[1], (tuple, list))
+          and all(isinstance(a, int) and not isinstance(a, bool) for a in rule[1]))
+    if not ok:
+      raise TypeError('batch-axes `rules` must be (pattern, axes) pairs, e.g. '
+                      f"('decoder/layers/**', (1,)), got {rule!r}.")
+    out.append((rule[0], tuple(rule[1])))
+  return tuple(out)
+
+
+def moe_batch_axes(params: Any, param_labels: Any = None, *,
+                   rules: Optional[Iterable[AxesRule]] = None,
+                   use_axis_names: bool = False) -> Any:
+  """The batch axes of every leaf: the axes that index independent matrices.
+
+  SkewAdam's default (`sj.skewadam(..., batch_axes=None)`); a factored second moment
+  keeps its statistics and clip per batch slice, and the other axes form the matrix.
+  Recognises stacked experts (axis 0 of a stacked bank in the `experts` tier, and of
+  the per-expert biases and scales beside it), scanned layers wherever
+  their axis sits (MaxText's axis 1, Flax `nn.scan`'s axis 0, nested scans), and
+  gemma's stacked `kv_einsum`; attention head axes stay in the matrix.
+
+  With `use_axis_names=True`, logical axis names (NNX `sharding_names`, Linen
+  `nn.Partitioned` names, e.g. MaxText's 'layers' and 'exp') decide the leaves that
+  carry them. They exist only in the model's state, not in the pure arrays that
+  `nnx.Optimizer.update` passes, so use the result as a tree computed once:
+  `sj.skewadam(lr, batch_axes=sj.moe_batch_axes(nnx.state(model, nnx.Param),
+  use_axis_names=True))` (trees match the params by path as well as structure).
+
+  Args:
+    params: a pytree of arrays, `jax.ShapeDtypeStruct`s or Flax variables.
+    param_labels: the tiers (a label tree or labeler); default `moe_param_labels`.
+    rules: ordered `(pattern, axes)` pairs checked first, e.g.
+      `[('decoder/layers/**', (1,))]`; negative axes count from the end.
+    use_axis_names: let logical axis names decide the leaves that carry them.
+
+  Returns:
+    A pytree like `params` whose leaves are tuples of sorted non-negative axes.
+
+  Example:
+    >>> import jax.numpy as jnp, skewadam_jax as sj
+    >>> scanned = {'norm': jnp.zeros((8, 3)),  # MaxText layout: layers on axis 1
+    ...            'attn': {'q': jnp.zeros((8, 3, 4, 2)), 'out': jnp.zeros((4, 3, 2, 8))}}
+    >>> sj.moe_batch_axes({'layers': scanned})
+    {'layers': {'attn': {'out': (1,), 'q': (1,)}, 'norm': (1,)}}
+  """
+  leaves, treedef = decide(params, param_labels, _check_rules(rules), use_axis_names)
+  return treedef.unflatten([tuple(sorted(x.axes)) for x in leaves])
+
+
+def batch_axes_and_notes(params: Any, labels: Any, batch_axes: Any = None
+                         ) -> tuple[list[tuple[int, ...]], list[str]]:
+  """Each leaf's batch axes (flattening order) and how they were decided."""
+  if batch_axes is None:
+    leaves, _ = decide(params, labels)
+    return [tuple(sorted(x.axes)) for x in leaves], [x.source for x in leaves]
+  from skewadam_jax import _tiered  # noqa: PLC0415 -- _tiered imports nothing of ours back
+  paths = [p for p, _ in _tree.flatten_with_paths(params)[0]]
+  got = _tiered.leaf_batch_axes(batch_axes, params, paths)
+  shapes = [_labels._shape(x) for x in jax.tree_util.tree_leaves(params)]  # noqa: SLF001
+  out = []
+  for axes, shape in zip(got, shapes):
+    out.append(_second_moment.default_batch_axes(len(shape)) if axes is None else
+               tuple(sorted(a % max(len(shape), 1) for a in axes)))
+  return out, ['given'] * len(out)

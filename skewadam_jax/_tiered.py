@@ -211,7 +211,7 @@ def scale_by_tiered_adam(
     ones, e.g. experts; shown here for the default layout):
       r <- b2 r + (1 - b2) mean(g^2, -1);   c <- b2 c + (1 - b2) mean(g^2, -2)
       D = sqrt(max(r / max(mean(r), 1e-15), eps)) [.., :, None] * sqrt(max(c, eps)) [.., None, :]
-    exact (also every leaf with < 2 non-batch axes):  v <- b2 v + (1 - b2) g^2;  D = sqrt(max(v, eps))
+    exact (also leaves with < 2 non-batch axes):  v <- b2 v + (1 - b2) g^2;  D = sqrt(max(v, eps))
     grouped:  nu <- b2 nu + (1 - b2) groupmean(g^2);  D = sqrt(max(expand(nu), eps))
     u = m sqrt(bc2) / bc1 / D  with m <- b1 m + (1 - b1) g   (momentum)
         g sqrt(bc2) / D                                       (no momentum)

@@ -17,6 +17,7 @@ import optax
 from skewadam_jax import _axes
 from skewadam_jax import _checks
 from skewadam_jax import _labels
+from skewadam_jax import _metadata
 from skewadam_jax import _tiered
 from skewadam_jax import _tree
 
@@ -94,8 +95,11 @@ def state_bytes_by_label(state: Any, params: Any, labels: Any) -> dict[str, int]
   """
   params_def = jax.tree_util.tree_structure(params)
   flat_labels = params_def.flatten_up_to(labels)
+  # Boxes of reduced statistics name other axes than their parameter's (their metadata
+  # is part of the treedef), so both are compared unboxed.
+  params_def = jax.tree_util.tree_structure(_metadata.unbox(params))
   totals: dict[str, int] = {}
-  _attribute(state, params_def, flat_labels, totals)
+  _attribute(_metadata.unbox(state), params_def, flat_labels, totals)
   return totals
 
 

@@ -130,3 +130,31 @@ def spec_names(spec: Any) -> Optional[Names]:
     return None
   first = tuple(specs[0])
   return first if all(tuple(s) == first for s in specs) else ()
+
+
+def unbox(tree: Any) -> Any:
+  """`tree` with every Flax box (NNX Variable, Linen AxisMetadata) replaced by its value.
+
+  State fields whose boxes name the axes their statistic keeps no longer share the
+  params' treedef (box metadata is part of it); unboxed, both have the same structure.
+  """
+  types = _labels._box_types()  # noqa: SLF001
+  if not types:
+    return tree
+
+  def value(x: Any) -> Any:
+    if not isinstance(x, types):
+      return x
+    get = getattr(x, 'get_value', None)
+    return get() if callable(get) else x.value
+
+  return jax.tree.map(value, tree, is_leaf=lambda x: isinstance(x, types))
+
+
+def flatten_like(treedef: Any, params: Any, tree: Any) -> list[Any]:
+  """`treedef.flatten_up_to(tree)` (treedef of `params`), also when only box metadata
+  differs (a state field whose boxes were renamed by `rename_boxes`)."""
+  try:
+    return treedef.flatten_up_to(tree)
+  except (ValueError, TypeError):
+    return jax.tree_util.tree_structure(unbox(params)).flatten_up_to(unbox(tree))

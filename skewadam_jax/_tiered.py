@@ -262,21 +262,22 @@ def scale_by_tiered_adam(
     mus, stats = zip(*[init_leaf(tier, path, p, a) for (path, p), a in zip(leaves, axes)]
                      ) if leaves else ((), ())
     fields = {k: treedef.unflatten([s[k] for s in stats]) for k in _second_moment.STAT_FIELDS}
+    fields = _named_fields(params, [path for path, _ in leaves], axes, fields)
+    return TieredAdamState(jnp.zeros([], jnp.int32), treedef.unflatten(list(mus)), **fields)
+
+  def _named_fields(params, paths, axes, fields):
     # Flax boxes (NNX Variables, Linen Partitioned) of each statistic name the axes it
     # keeps, as its estimator derives them from the parameter's axis names.
-    axes_of = dict(zip([path for path, _ in leaves], axes))
-
-    def estimator_at(path, shape):  # the estimator init_leaf gave the leaf
-      return leaf_estimator(shape, tier, axes_of.get(path), path)
+    axes_of = dict(zip(paths, axes))
 
     def names_for(field):
       def names(path, shape, param_names):
-        specs = estimator_at(path, shape).specs(param_names, shape, None, path)
+        specs = leaf_estimator(shape, tier, axes_of.get(path), path).specs(
+            param_names, shape, None, path)
         return _metadata.spec_names(specs[field]) if field in specs else None
       return names
 
-    fields = {k: _metadata.rename_boxes(params, v, names_for(k)) for k, v in fields.items()}
-    return TieredAdamState(jnp.zeros([], jnp.int32), treedef.unflatten(list(mus)), **fields)
+    return {k: _metadata.rename_boxes(params, v, names_for(k)) for k, v in fields.items()}
 
   def update_leaf(path, g, mu, stats, bc1, bc2, axes):
     # Every full-size array below is either an input, a state output or computed inside
@@ -304,8 +305,9 @@ def scale_by_tiered_adam(
     del params, extra_args  # unused; accepted so that the transform chains like optax's
     leaves, treedef = _tree.flatten_with_paths(updates)
     mus = treedef.flatten_up_to(state.mu)
-    stats = [dict(zip(_second_moment.STAT_FIELDS, s)) for s in zip(
-        *[treedef.flatten_up_to(getattr(state, k)) for k in _second_moment.STAT_FIELDS])]
+    stats = [dict(zip(_second_moment.STAT_FIELDS, s)) for s in zip(*[
+        _metadata.flatten_like(treedef, updates, getattr(state, k))
+        for k in _second_moment.STAT_FIELDS])]
     count = optax.safe_increment(state.count)
     t = count.astype(jnp.float32)
     bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
@@ -314,6 +316,7 @@ def scale_by_tiered_adam(
     out = [update_leaf(path, g, mu, s, bc1, bc2, a)
            for (path, g), mu, s, a in zip(leaves, mus, stats, axes)]
     fields = {k: treedef.unflatten([o[2][k] for o in out]) for k in _second_moment.STAT_FIELDS}
+    fields = _named_fields(updates, [path for path, _ in leaves], axes, fields)
     return treedef.unflatten([o[0] for o in out]), TieredAdamState(
         count, treedef.unflatten([o[1] for o in out]), **fields)
 

@@ -353,3 +353,25 @@ def test_skewadam_statistics_are_sharded_on_the_axes_they_keep(maxtext_runs):
       assert f'{experts}/{field}/decoder/layers/MoeBlock_0/{leaf}' in sharded
   assert ('opt_state/0/inner_states/backbone/inner_state/v_row/decoder/layers/'
           'self_attention/query/kernel') in sharded
+
+
+def test_boxed_updates_and_memory_report_see_through_renamed_boxes():
+  """Linen boxed params through init and two updates (the state keeps its structure,
+  reduced statistics keep their reduced names), and `memory_report` attributes every
+  statistic to its tier although its box names other axes than its parameter's."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  p = {'moe': {'router': {'kernel': nn.LogicallyPartitioned(jnp.zeros((8, 4)), ('embed', None))},
+               'experts': {'w1': nn.LogicallyPartitioned(jnp.ones((4, 8, 16)),
+                                                         ('exp', 'embed', 'mlp'))}},
+       'dense': {'kernel': nn.LogicallyPartitioned(jnp.ones((8, 16)), ('embed', 'mlp'))}}
+  tx = sj.skewadam(1e-3)
+  state = tx.init(p)
+  grads = jax.tree.map(jnp.ones_like, p)
+  _, state1 = tx.update(grads, state, p)
+  _, state2 = jax.jit(tx.update)(grads, state1, p)
+  assert jax.tree.structure(state2) == jax.tree.structure(state)
+  inner = state2[0].inner_states['experts'].inner_state
+  assert inner.v_row['moe']['experts']['w1'].names == ('exp', 'embed')
+  tiers = {t.tier: t.state_bytes for t in sj.memory_report(p, tx).tiers}
+  assert '(other)' not in tiers and tiers['experts'] == 4 * (8 + 16) * 4

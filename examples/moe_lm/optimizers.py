@@ -10,6 +10,8 @@ warmup + cosine learning-rate schedule. Names:
   included (the router keeps its no-decay rule).
 * `skewadam-adam-eps`: the published tiers with Adam's additive eps
   (`eps_mode='adam'`) instead of the floor.
+* `skewadam-adam-eps-router-momentum`: the same, and the router keeps an fp32 momentum.
+* `skewadam-adam-eps-noclip`: the same as `skewadam-adam-eps` without the RMS clip.
 * `adamw`, `adampm` (group size 8 along the last axis), `adafactor`
   (`optax.adafactor` without momentum and without parameter scaling, so that its step
   size is Adam-like), `adafactor-momentum` (the same with its `momentum=0.9` option, a
@@ -37,11 +39,13 @@ ADAM_LR = 3e-4
 OPTIMIZERS = (
     'skewadam', 'adampm', 'adamw', 'adafactor', 'adafactor-momentum', 'lion', 'muon',
     'skewadam-expert-momentum', 'skewadam-factored-all', 'skewadam-adam-eps',
+    'skewadam-adam-eps-router-momentum', 'skewadam-adam-eps-noclip',
 )
 DEFAULT_LR = {
     'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adamw': ADAM_LR, 'adafactor': ADAM_LR,
     'adafactor-momentum': ADAM_LR, 'lion': 1e-4, 'muon': 0.02, 'skewadam-expert-momentum': ADAM_LR,
     'skewadam-factored-all': ADAM_LR, 'skewadam-adam-eps': ADAM_LR,
+    'skewadam-adam-eps-router-momentum': ADAM_LR, 'skewadam-adam-eps-noclip': ADAM_LR,
 }
 
 
@@ -56,6 +60,11 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return {k: t.replace(momentum=True, second_moment='factored') for k, t in pub.items()}
   if name == 'skewadam-adam-eps':
     return {k: t.replace(eps_mode='adam') for k, t in pub.items()}
+  if name == 'skewadam-adam-eps-router-momentum':
+    adam = {k: t.replace(eps_mode='adam') for k, t in pub.items()}
+    return dict(adam, router=adam['router'].replace(momentum=True))
+  if name == 'skewadam-adam-eps-noclip':
+    return {k: t.replace(eps_mode='adam', clip_threshold=None) for k, t in pub.items()}
   raise KeyError(f'Not a SkewAdam variant: {name!r}.')
 
 

@@ -1,12 +1,14 @@
-"""The benchmarks' own measuring helpers (benchmarks/_common.py)."""
+"""The benchmarks' own measuring helpers (benchmarks/_common.py), adampm_fidelity.py."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -55,3 +57,83 @@ def test_kernel_bytes_of_a_copy():
 def test_compile_only_device_rejects_unknown_target():
   with pytest.raises(ValueError, match='`target` must be one of'):
     _common.compile_only_device('h999')
+
+
+# ----------------------------------------------------------------- adampm_fidelity.py
+
+
+def test_fidelity_shadow_is_adampm_on_both_axes():
+  # The shadow update from Adam's moments equals the library's AdamPM on the same
+  # gradients, pooled along the output (-1) and the input (-2) axis; groups that do not
+  # divide the axis (12 = 8 + 4), 1-D and 0-d leaves included.
+  import adampm_fidelity as fid
+
+  params = {'experts': jnp.zeros((4, 16, 12)), 'kernel': jnp.zeros((24, 16)),
+            'scale': jnp.zeros((12,)), 'scalar': jnp.zeros(())}
+  adam = optax.scale_by_adam(fid.B1, fid.B2, fid.EPS)
+  key = jax.random.key(0)
+  for axis in fid.AXES:
+    tx = sj.scale_by_grouped_second_moment(fid.B1, fid.B2, fid.EPS, group_size=8, axis=axis)
+
+    @jax.jit
+    def step(grads, a_state, s_state, axis=axis, tx=tx):
+      _, a_state = adam.update(grads, a_state)
+      ref, s_state = tx.update(grads, s_state)
+      got = jax.tree.map(lambda m, v: fid.pooled_update(m, v, a_state.count, 8, axis),
+                         a_state.mu, a_state.nu)
+      return got, ref, a_state, s_state
+
+    a_state, s_state = adam.init(params), tx.init(params)
+    for i in range(3):
+      grads = {name: jax.random.normal(jax.random.fold_in(key, 10 * i + j), p.shape)
+               for j, (name, p) in enumerate(params.items())}
+      got, ref, a_state, s_state = step(grads, a_state, s_state)
+      for name in params:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f'{name}, axis {axis}')
+
+
+def test_fidelity_width_config():
+  import adampm_fidelity as fid
+
+  assert fid.width_config('small', None) == fid.model_lib.get_config('small')
+  cfg = fid.width_config('small', 64)
+  assert (cfg.d_model, cfg.d_ff, cfg.d_expert, cfg.head_dim) == (64, 64, 64, 16)
+  base = fid.model_lib.get_config('small')
+  assert (cfg.n_layers, cfg.n_experts, cfg.n_heads, cfg.max_len) == (
+      base.n_layers, base.n_experts, base.n_heads, base.max_len)
+  with pytest.raises(ValueError, match='multiple of n_heads'):
+    fid.width_config('small', 66)
+  assert fid.pool_axis(0, -2) is None and fid.pool_axis(1, -2) == 0
+  assert fid.pool_axis(3, -2) == 1 and fid.pool_axis(2, -1) == 1
+
+
+@pytest.mark.slow
+def test_fidelity_width_series_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
+  # `--widths` with both axes: one tiny width (each width compiles the MoE model's step,
+  # which dominates the run, so the step is compiled at -O0), three steps.
+  import adampm_fidelity as fid
+
+  monkeypatch.setattr(fid, 'COMPILER_OPTIONS', {'xla_backend_optimization_level': 0})
+  fid.main(['--preset', 'tiny', '--widths', '16', '--axes', '-1', '-2',
+            '--group-sizes', '1', '8', '--steps', '3', '--batch-size', '2',
+            '--out', str(tmp_path)])
+  md = (tmp_path / 'adampm_fidelity_widths.md').read_text()
+  assert md in capsys.readouterr().out
+  table = [line for line in md.splitlines() if line.startswith('| 16 |')]
+  assert len(table) == 2 and '-1 (output)' in table[0] and '-2 (input)' in table[1]
+  assert '| s=8 | 10th pct (s=8) | steps > 0.993 (s=8) | s=8, last 30% of steps |' in md
+  result = json.loads((tmp_path / 'adampm_fidelity_widths.json').read_text())
+  (run,) = result['runs']
+  model = run['model']
+  assert run['width'] == 16 and len(run['loss']) == 3
+  assert (model['d_model'], model['d_ff'], model['d_expert'], model['head_dim']) == (
+      16, 16, 16, 4)
+  for axis in ('-1', '-2'):
+    by_axis = run['by_axis'][axis]
+    assert by_axis['identity_max_rel_err'] < 1e-5
+    rows = {r['s']: r for r in by_axis['rows']}
+    assert rows[1]['median'] == pytest.approx(1.0, abs=1e-6)
+    assert 0.0 < rows[8]['median'] < 1.0
+    assert len(by_axis['whole_model_cosine']['8']) == 3
+  assert (tmp_path / 'adampm_fidelity_widths.png').stat().st_size > 0

@@ -11,8 +11,9 @@ from skewadam_jax._alias import skewadam
 # Their scaling rules, to compose in your own optax chain.
 from skewadam_jax._grouped import scale_by_grouped_second_moment
 from skewadam_jax._tiered import scale_by_tiered_adam
-# Tier configuration: the published policy, and how to change or add a tier.
+# Tier configuration: the published policy, ours, and how to change or add a tier.
 from skewadam_jax._tiered import PUBLISHED_TIERS
+from skewadam_jax._tiered import RECOMMENDED_TIERS
 from skewadam_jax._tiered import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
 from skewadam_jax._grouped import GroupedSecondMomentState
@@ -58,6 +59,7 @@ __all__ = (
     'LeafReport',
     'MemoryReport',
     'PUBLISHED_TIERS',
+    'RECOMMENDED_TIERS',
     'SecondMoment',
     'Step',
     'Tier',

@@ -10,8 +10,15 @@ warmup + cosine learning-rate schedule. Names:
   included (the router keeps its no-decay rule).
 * `skewadam-adam-eps`: the published tiers with Adam's additive eps
   (`eps_mode='adam'`) instead of the floor.
-* `skewadam-adam-eps-router-momentum`: the same, and the router keeps an fp32 momentum.
+* `skewadam-adam-eps-router-momentum`: the same, and the router keeps an fp32 momentum
+  (`sj.RECOMMENDED_TIERS`).
 * `skewadam-adam-eps-noclip`: the same as `skewadam-adam-eps` without the RMS clip.
+* `skewadam-adam-eps-router-momentum-expert-momentum-bf16`: router momentum as above,
+  and the experts keep a bfloat16 momentum.
+* `skewadam-adam-eps-router-momentum-exact-backbone`: router momentum as above, and the
+  backbone keeps an exact (unfactored) second moment.
+* `skewadam-floor-backbone-router-momentum`: router momentum, Adam's additive eps on the
+  experts and the router only; the backbone keeps the published floor.
 * `adamw`, `adampm` (group size 8 along the last axis), `adafactor`
   (`optax.adafactor` without momentum and without parameter scaling, so that its step
   size is Adam-like), `adafactor-momentum` (the same with its `momentum=0.9` option, a
@@ -30,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 from optax import contrib
 
@@ -40,12 +48,18 @@ OPTIMIZERS = (
     'skewadam', 'adampm', 'adamw', 'adafactor', 'adafactor-momentum', 'lion', 'muon',
     'skewadam-expert-momentum', 'skewadam-factored-all', 'skewadam-adam-eps',
     'skewadam-adam-eps-router-momentum', 'skewadam-adam-eps-noclip',
+    'skewadam-adam-eps-router-momentum-expert-momentum-bf16',
+    'skewadam-adam-eps-router-momentum-exact-backbone',
+    'skewadam-floor-backbone-router-momentum',
 )
 DEFAULT_LR = {
     'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adamw': ADAM_LR, 'adafactor': ADAM_LR,
     'adafactor-momentum': ADAM_LR, 'lion': 1e-4, 'muon': 0.02, 'skewadam-expert-momentum': ADAM_LR,
     'skewadam-factored-all': ADAM_LR, 'skewadam-adam-eps': ADAM_LR,
     'skewadam-adam-eps-router-momentum': ADAM_LR, 'skewadam-adam-eps-noclip': ADAM_LR,
+    'skewadam-adam-eps-router-momentum-expert-momentum-bf16': ADAM_LR,
+    'skewadam-adam-eps-router-momentum-exact-backbone': ADAM_LR,
+    'skewadam-floor-backbone-router-momentum': ADAM_LR,
 }
 
 
@@ -60,9 +74,19 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return {k: t.replace(momentum=True, second_moment='factored') for k, t in pub.items()}
   if name == 'skewadam-adam-eps':
     return {k: t.replace(eps_mode='adam') for k, t in pub.items()}
+  adam = {k: t.replace(eps_mode='adam') for k, t in pub.items()}
+  router_momentum = dict(adam, router=adam['router'].replace(momentum=True))
   if name == 'skewadam-adam-eps-router-momentum':
-    adam = {k: t.replace(eps_mode='adam') for k, t in pub.items()}
-    return dict(adam, router=adam['router'].replace(momentum=True))
+    assert router_momentum == dict(sj.RECOMMENDED_TIERS)  # the shipped policy
+    return router_momentum
+  if name == 'skewadam-adam-eps-router-momentum-expert-momentum-bf16':
+    return dict(router_momentum, experts=router_momentum['experts'].replace(
+        momentum=True, mu_dtype=jnp.bfloat16))
+  if name == 'skewadam-adam-eps-router-momentum-exact-backbone':
+    return dict(router_momentum,
+                backbone=router_momentum['backbone'].replace(second_moment='exact'))
+  if name == 'skewadam-floor-backbone-router-momentum':
+    return dict(router_momentum, backbone=pub['backbone'])
   if name == 'skewadam-adam-eps-noclip':
     return {k: t.replace(eps_mode='adam', clip_threshold=None) for k, t in pub.items()}
   raise KeyError(f'Not a SkewAdam variant: {name!r}.')

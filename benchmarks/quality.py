@@ -24,12 +24,16 @@ complete run JSON of this `--preset` and `--steps` under `--out` is read back in
   validation loss over seeds), the final validation loss at that lr as mean and std
   over seeds, the gap to AdamW at its own best lr, state bytes, tokens/s and router
   health (per MoE layer, validation without router noise; see examples/moe_lm/train.py);
-  and the final loss at every lr, flagging a best lr at the edge of the grid.
+  and the final loss at every lr, flagging a best lr at the edge of the grid; dead
+  experts and router norm over training at each best lr, and the dead experts of every
+  evaluation binned by the router's weight norm.
 * `curves_steps<N>.png`: validation loss against step at each optimizer's best lr
   (mean over seeds, band from min to max), with a zoom on the second half.
 * `memory_steps<N>.png`: best-lr validation loss against optimizer state bytes.
 * `router_steps<N>.png`: each expert's load over training at the best lr (first seed),
   one panel per optimizer.
+* `dead_steps<N>.png`: dead experts against router weight norm, per layer, for every
+  evaluation of every run.
 
   python benchmarks/quality.py                    # the full sweep (hours; resumable)
   python benchmarks/quality.py --seeds 0          # seed 0 of every (optimizer, lr) first
@@ -372,6 +376,104 @@ def _best_records(rows: list[dict[str, Any]], records: list[dict[str, Any]]
   return [(row, [by_name[n] for n in row['best_runs']]) for row in rows]
 
 
+# Where in the schedule the dead-expert table looks (fractions of the steps).
+DEAD_AT = (0.05, 0.15, 0.3, 0.5, 1.0)
+
+
+def _router_over_training(rs: list[dict[str, Any]], steps: int
+                          ) -> list[tuple[int, float, float]]:
+  """`(step, dead experts summed over layers, mean router norm)` at `DEAD_AT`, means
+  over the runs `rs` (seeds); the eval nearest each fraction of the schedule."""
+  out = []
+  for frac in DEAD_AT:
+    dead, norm, at = [], [], 0
+    for r in rs:
+      evals = [e for e in r['evals'] if 'dead_experts' in e]
+      if not evals:
+        return []
+      e = min(evals, key=lambda e: abs(e['step'] - frac * steps))
+      at = e['step']
+      dead.append(float(np.sum(e['dead_experts'])))
+      norm.append(float(np.mean(e['router_norm'])))
+    out.append((at, float(np.mean(dead)), float(np.mean(norm))))
+  return out
+
+
+def dead_experts_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
+                          steps: int) -> list[str]:
+  """Dead experts and router norm over training at each best lr, and how the two go
+  together over every run and evaluation of the sweep."""
+  best = [(row, _router_over_training(rs, steps)) for row, rs in _best_records(rows, records)]
+  best = [(row, points) for row, points in best if points]
+  if not best:
+    return []
+  n_layers = len(next(r for r in records if r['evals'])['evals'][-1].get('dead_experts', [0]))
+  n_experts = best[0][0]['router'].get('n_experts', '?')
+  header = ['optimizer (best lr)'] + [f'step {at}' for at, _, _ in best[0][1]]
+  body = [[f'{row["optimizer"]} ({row["best_lr"]:g})']
+          + [f'{dead:.3g} / {norm:.2f}' for _, dead, norm in points] for row, points in best]
+  lines = ['### Dead experts over training', '',
+           f'Dead experts summed over the {n_layers} MoE layer(s) ({n_experts} experts each) '
+           '/ router weight norm (mean over layers), at the best lr, mean over seeds; '
+           'validation without router noise.', '',
+           _common.markdown_table(header, body), '']
+  # Every evaluation of every run: does a dead expert come with a small router?
+  dead, norm = _all_dead_and_norm(records)
+  if len(dead):
+    edges = [0.0, 0.25, 0.5, 1.0, 2.0, np.inf]
+    cells = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+      sel = (norm >= lo) & (norm < hi)
+      if sel.any():
+        label = f'{lo:g}-{hi:g}' if np.isfinite(hi) else f'>= {lo:g}'
+        cells.append([label, f'{int(sel.sum())}', f'{dead[sel].mean():.2f}',
+                      f'{100 * np.mean(dead[sel] > 0):.0f}%'])
+    lines += [f'All {len(dead)} (run, evaluation, layer) points of the sweep, by the '
+              'router weight norm of the layer:', '',
+              _common.markdown_table(['router norm', 'points', 'mean dead experts',
+                                      'with a dead expert'], cells), '']
+  return lines
+
+
+def _all_dead_and_norm(records: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+  """Dead experts and router norm per (run, evaluation, layer), flattened."""
+  dead: list[float] = []
+  norm: list[float] = []
+  for r in records:
+    for e in r['evals']:
+      if 'dead_experts' in e:
+        dead += np.atleast_1d(e['dead_experts']).astype(float).tolist()
+        norm += np.atleast_1d(e['router_norm']).astype(float).tolist()
+  return np.asarray(dead), np.asarray(norm)
+
+
+def plot_dead_experts(records: list[dict[str, Any]], path: Path, title: str) -> None:
+  """Dead experts against the router weight norm, per layer, every evaluation of
+  every run, one colour per optimizer."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  names = sorted({r['sweep']['optimizer'] for r in records}, key=_order)
+  fig, ax = plt.subplots(figsize=(7.5, 5))
+  rng = np.random.default_rng(0)
+  for i, name in enumerate(names):
+    dead, norm = _all_dead_and_norm([r for r in records if r['sweep']['optimizer'] == name])
+    if len(dead):
+      # Dead counts are integers: a little vertical jitter keeps the points apart.
+      ax.scatter(norm, dead + rng.uniform(-0.15, 0.15, len(dead)), s=7, alpha=0.5,
+                 color=f'C{i % 10}', label=name)
+  ax.set_xscale('log')
+  ax.set_xlabel('router weight norm of the layer (log scale)')
+  ax.set_ylabel('dead experts in the layer (validation, no router noise)')
+  ax.grid(alpha=0.3, which='both')
+  ax.legend(fontsize=7)
+  ax.set_title(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def plot_curves(rows: list[dict[str, Any]], records: list[dict[str, Any]], steps: int,
                 path: Path, title: str) -> None:
   """Validation loss against step at each optimizer's best lr; right: the second half,
@@ -447,12 +549,13 @@ def report(args: argparse.Namespace, out: Path) -> str:
   if not records:
     return f'No complete run of `{args.preset}` at {args.steps} steps under {out / "runs"}.'
   rows = summarize(records)
-  text = report_markdown(rows, records, args)
+  text = '\n'.join([report_markdown(rows, records, args), '',
+                    *dead_experts_markdown(rows, records, args.steps)]).rstrip()
   stem = f'steps{args.steps}'
   what = f'{args.preset} MoE LM, {args.steps} steps'
   paths = {'md': out / f'report_{stem}.md', 'json': out / f'report_{stem}.json',
            'curves': out / f'curves_{stem}.png', 'memory': out / f'memory_{stem}.png',
-           'router': out / f'router_{stem}.png'}
+           'router': out / f'router_{stem}.png', 'dead': out / f'dead_{stem}.png'}
   paths['md'].write_text(text + '\n')
   _common.write_json_atomic(paths['json'], {
       'command': _common.command(), 'preset': args.preset, 'steps': args.steps,
@@ -464,6 +567,8 @@ def report(args: argparse.Namespace, out: Path) -> str:
       [(f'{row["optimizer"]} lr {row["best_lr"]:g} seed {rs[0]["sweep"]["seed"]}', rs[0])
        for row, rs in _best_records(rows, records)],
       paths['router'], title=f'expert load over training at the best lr, {what}')
+  plot_dead_experts(records, paths['dead'],
+                    f'dead experts against router norm, every run and evaluation, {what}')
   return text + '\n\nwrote ' + ', '.join(str(p) for p in paths.values() if p.exists())
 
 

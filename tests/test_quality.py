@@ -82,7 +82,9 @@ def test_sweep_writes_one_json_per_run_skips_them_next_time_and_reports(tmp_path
   assert '2 runs planned: 2 complete (skipped), 0 to run' in capsys.readouterr().out
   assert [p.stat().st_mtime_ns for p in runs] == mtimes
   assert '| adamw | 0.001 |' in text and '| skewadam | 0.001 |' in text
-  for name in ('curves_steps4.png', 'memory_steps4.png', 'router_steps4.png'):
+  assert '### Dead experts over training' in text and '| step 4 |' in text
+  for name in ('curves_steps4.png', 'memory_steps4.png', 'router_steps4.png',
+               'dead_steps4.png'):
     assert (tmp_path / name).read_bytes()[:8] == PNG, name
   summary = json.loads((tmp_path / 'report_steps4.json').read_text())
   assert [r['optimizer'] for r in summary['rows']] == ['adamw', 'skewadam']

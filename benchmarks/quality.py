@@ -463,15 +463,8 @@ def plot_dead_experts(records: list[dict[str, Any]], path: Path, title: str) -> 
       # Dead counts are integers: a little vertical jitter keeps the points apart.
       ax.scatter(norm, dead + rng.uniform(-0.15, 0.15, len(dead)), s=7, alpha=0.5,
                  color=f'C{i % 10}', label=name)
-  ax.set_xscale('log')
-  ax.set_xlabel('router weight norm of the layer (log scale)')
-  ax.set_ylabel('dead experts in the layer (validation, no router noise)')
-  ax.grid(alpha=0.3, which='both')
-  ax.legend(fontsize=7)
-  ax.set_title(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  _finish_log_x(fig, ax, 'router weight norm of the layer',
+                'dead experts in the layer (validation, no router noise)', title, path)
 
 
 def plot_curves(rows: list[dict[str, Any]], records: list[dict[str, Any]], steps: int,
@@ -531,9 +524,18 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                  for r in rows[:i])
     ax.annotate(row['optimizer'], (row['state_bytes'], row['loss_mean']),
                 textcoords='offset points', xytext=(6, 4 - 11 * same_x), fontsize=8)
+  _finish_log_x(fig, ax, 'optimizer state bytes (float32 state)',
+                'final validation loss at the best lr (nats / byte)', title, path)
+
+
+def _finish_log_x(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str,
+                  path: Path) -> None:
+  """Log x axis, labels, grid, legend and title; saves and closes the figure."""
+  import matplotlib.pyplot as plt
+
   ax.set_xscale('log')
-  ax.set_xlabel('optimizer state bytes (float32 state, log scale)')
-  ax.set_ylabel('final validation loss at the best lr (nats / byte)')
+  ax.set_xlabel(f'{xlabel} (log scale)')
+  ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3, which='both')
   ax.legend(fontsize=7)
   ax.set_title(title, fontsize=10)

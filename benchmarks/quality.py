@@ -70,6 +70,8 @@ SWEEP_OPTIMIZERS = ('adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm'
 LRS = (3e-4, 1e-3, 3e-3)
 # Muon's conventional 0.02 in the middle; a factor 2 either side.
 MUON_LRS = (0.01, 0.02, 0.04)
+# Optimizers whose learning rate is on another scale than Adam's.
+OWN_LR_SCALE = ('muon', 'lion')
 # AdamW's best lr in the earlier 300- and 2000-step comparisons on this model.
 MUON_ADAM_LR = 1e-3
 SEEDS = (0, 1, 2)
@@ -294,6 +296,12 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
   base = next((r for r in rows if r['optimizer'] == BASELINE), None)
   for row in rows:
     row['gap_vs_baseline'] = None if base is None else row['loss_mean'] - base['loss_mean']
+    # "Same hyperparameters as Adam": each optimizer at the baseline's best lr, where
+    # its lr means the same thing (not Muon's or Lion's).
+    same = (None if base is None or row['optimizer'] in OWN_LR_SCALE
+            else row['per_lr'].get(f'{base["best_lr"]:g}'))
+    row['at_baseline_lr'] = None if same is None else dict(
+        same, gap=same['mean'] - base['loss_mean'])
   return rows
 
 
@@ -367,6 +375,15 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
     body.append([row['optimizer'], ' · '.join(cells), edge])
   lines.append(_common.markdown_table(['optimizer', 'lr: loss (seeds)', 'best at the edge'],
                                       body, align='llr'))
+  same = [row for row in rows if row is not base and row.get('at_baseline_lr')]
+  if base and same:
+    lr = f'{base["best_lr"]:g}'
+    lines += ['', f'### At {BASELINE}\'s best lr ({lr}), the same hyperparameters', '',
+              _common.markdown_table(
+                  ['optimizer', f'final val loss at {lr}', f'vs {BASELINE} at {lr}'],
+                  [[row['optimizer'], _pm(v['mean'], v['std'], v['n']),
+                    f'{v["gap"]:+.4f} ({100 * v["gap"] / base["loss_mean"]:+.2f}%)']
+                   for row in same for v in [row['at_baseline_lr']]])]
   return '\n'.join(lines)
 
 

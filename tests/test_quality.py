@@ -140,6 +140,9 @@ def test_report_picks_the_best_lr_by_the_mean_over_seeds(tmp_path):
   assert rows['skewadam']['router']['router_norm'] == [1.5]  # mean over the seeds
   assert rows['skewadam']['router']['dead_experts'] == [0.0]
   assert set(rows['adamw']['per_lr']) == {'0.001', '0.003'}
+  # At AdamW's best lr (3e-3) SkewAdam's mean is 2.55: the same-hyperparameter table.
+  assert rows['skewadam']['at_baseline_lr']['gap'] == pytest.approx(2.55 - 2.06)
+  assert "### At adamw's best lr (0.003)" in text and '+0.4900 (+23.79%)' in text
   assert '| skewadam | 0.001 | 1.9250 ± 0.0354 (2) | -0.1350 (-6.55%) | 100 |' in text
   assert 'yes: extend the grid' in text
   assert (tmp_path / 'memory_steps100.png').read_bytes()[:8] == PNG

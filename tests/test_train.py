@@ -16,6 +16,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
+import skewadam_jax as sj  # noqa: E402
+
 from examples.moe_lm import model as model_lib  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
@@ -150,6 +152,15 @@ def test_ablations_change_exactly_their_tiers():
   eps = opt_lib.skewadam_tiers('skewadam-adam-eps')
   assert {k: t.replace(eps_mode='floor') for k, t in eps.items()} == pub
   assert all(t.eps_mode == 'adam' for t in eps.values())
+  rec = opt_lib.skewadam_tiers('skewadam-adam-eps-router-momentum')
+  assert rec == dict(sj.RECOMMENDED_TIERS)
+  assert rec == dict(eps, router=eps['router'].replace(momentum=True))
+  bf16 = opt_lib.skewadam_tiers('skewadam-adam-eps-router-momentum-expert-momentum-bf16')
+  assert bf16['experts'] == rec['experts'].replace(momentum=True, mu_dtype=jnp.bfloat16)
+  exact = opt_lib.skewadam_tiers('skewadam-adam-eps-router-momentum-exact-backbone')
+  assert exact == dict(rec, backbone=rec['backbone'].replace(second_moment='exact'))
+  floor = opt_lib.skewadam_tiers('skewadam-floor-backbone-router-momentum')
+  assert floor == dict(rec, backbone=pub['backbone'])
 
 
 def test_muon_orthogonalises_matrices_and_experts_only():

@@ -66,7 +66,7 @@ from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
 
 SWEEP_OPTIMIZERS = ('adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
-                    'skewadam', 'skewadam-adam-eps')
+                    'skewadam', 'skewadam-adam-eps', 'skewadam-adam-eps-router-momentum')
 LRS = (3e-4, 1e-3, 3e-3)
 # Muon's conventional 0.02 in the middle; a factor 2 either side.
 MUON_LRS = (0.01, 0.02, 0.04)
@@ -364,6 +364,10 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
     lines += [f'Muon: the lr is that of its orthogonalised matrices (attention, dense MLP, '
               f'experts); its Adam branch (embeddings, norms, router) ran at peak lr '
               f'{muon["hyperparameters"].get("adam_lr")}.', '']
+  names = ', '.join(f'`{r["optimizer"]}`' for r in rows)
+  lines += [f'SkewAdam policies: `skewadam` is `sj.PUBLISHED_TIERS`, '
+            '`skewadam-adam-eps-router-momentum` is `sj.RECOMMENDED_TIERS`; every name '
+            f'({names}) is defined in examples/moe_lm/optimizers.py.', '']
   lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
   body = []
   for row in rows:

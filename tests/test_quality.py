@@ -39,7 +39,8 @@ def test_plan_is_seed_major_and_muon_has_its_own_grid():
 def test_default_sweep_covers_the_requested_optimizers():
   args = quality.parse_args([])
   assert args.optimizers == ['adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
-                             'skewadam', 'skewadam-adam-eps']
+                             'skewadam', 'skewadam-adam-eps',
+                             'skewadam-adam-eps-router-momentum']
   assert (args.lrs, args.steps) == ([3e-4, 1e-3, 3e-3], 2000)
 
 

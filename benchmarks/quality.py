@@ -21,9 +21,10 @@ sweep instead of being mixed in. After the runs (or alone, with `--report-only`)
 complete run JSON of this `--preset` and `--steps` under `--out` is read back into:
 
 * `report_steps<N>.md` and `.json`: per optimizer its best lr (lowest mean final
-  validation loss over seeds), the final validation loss at that lr as mean and std
-  over seeds, the gap to AdamW at its own best lr, state bytes, tokens/s and router
-  health (per MoE layer, validation without router noise; see examples/moe_lm/train.py);
+  validation loss over the seeds every lr has run), the final validation loss at that
+  lr as mean and std over seeds, the gap to AdamW at its own best lr, state bytes,
+  tokens/s and router health (per MoE layer, validation without router noise; see
+  examples/moe_lm/train.py);
   and the final loss at every lr, flagging a best lr at the edge of the grid; dead
   experts and router norm over training at each best lr, and the dead experts of every
   evaluation binned by the router's weight norm.
@@ -259,6 +260,23 @@ def _mean_std(x: Sequence[float]) -> tuple[float, Optional[float]]:
   return float(a.mean()), (float(a.std(ddof=1)) if len(a) > 1 else None)
 
 
+def _pick_best_lr(per_lr: dict[float, dict[str, Any]]) -> float:
+  """The lr with the lowest mean loss over the seeds that every lr has run.
+
+  The protocol picks the lr on a first seed and reruns only that lr with more seeds;
+  comparing a 3-seed mean with 1-seed losses would let the seed draw move the choice.
+  Without a common seed, the means over all seeds decide.
+  """
+  common = set.intersection(*(set(v['seeds']) for v in per_lr.values()))
+
+  def score(lr: float) -> float:
+    v = per_lr[lr]
+    losses = [x for x, seed in zip(v['losses'], v['seeds']) if seed in common]
+    return float(np.mean(losses)) if losses else v['mean']
+
+  return min(per_lr, key=score)
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """One row per optimizer: loss at every lr, the best lr and its seeds' figures."""
   by: dict[str, dict[float, list[dict[str, Any]]]] = {}
@@ -273,7 +291,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
       mean, std = _mean_std(losses)
       per_lr[lr] = {'mean': mean, 'std': std, 'n': len(rs), 'losses': losses,
                     'seeds': [r['sweep']['seed'] for r in rs]}
-    best_lr = min(per_lr, key=lambda lr: per_lr[lr]['mean'])
+    best_lr = _pick_best_lr(per_lr)
     best = by[name][best_lr]
     lrs = sorted(per_lr)
     speeds = [r['timing']['tokens_per_s'] for r in best if r['timing']['tokens_per_s']]
@@ -331,7 +349,9 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
       'batches, without router noise and dropless.  ',
       f'Machine: {m["cpu_count"]} CPU cores, {m["platform"]}, jax {m["jax"]}, optax '
       f'{m["optax"]}, flax {m["flax"]} (tokens/s on a shared machine are indicative).', '',
-      'Best lr: lowest mean final validation loss over seeds. Loss: nats/byte, mean ± '
+      'Best lr: lowest mean final validation loss over the seeds that every lr of the '
+      'optimizer has run (the first seed picks the lr; only that lr gets more seeds). '
+      'Loss: nats/byte, mean ± '
       'sample std over seeds (number of seeds). Router health at the end of the best-lr '
       'runs, mean over seeds, per MoE layer (comma-separated); dead = share below '
       f'{model_lib.DEAD_BELOW:g} x uniform. The Switch aux loss / floor is 1 for uniform '

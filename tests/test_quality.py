@@ -147,3 +147,15 @@ def test_report_picks_the_best_lr_by_the_mean_over_seeds(tmp_path):
   assert '| skewadam | 0.001 | 1.9250 ± 0.0354 (2) | -0.1350 (-6.55%) | 100 |' in text
   assert 'yes: extend the grid' in text
   assert (tmp_path / 'memory_steps100.png').read_bytes()[:8] == PNG
+
+
+def test_best_lr_is_picked_on_the_seeds_every_lr_has_run():
+  # Seed 0 ran at both lrs and prefers 3e-3; seeds 1 and 2 ran at 1e-3 only. The 3-seed
+  # mean at 1e-3 (1.90) is below 3e-3's single run (1.97), but the choice is made on
+  # seed 0 (2.00 against 1.97), as the protocol made it.
+  per_lr = {1e-3: {'mean': 1.9, 'losses': [2.0, 1.85, 1.85], 'seeds': [0, 1, 2]},
+            3e-3: {'mean': 1.97, 'losses': [1.97], 'seeds': [0]}}
+  assert quality._pick_best_lr(per_lr) == 3e-3
+  # Without a seed in common the means decide.
+  per_lr[3e-3]['seeds'] = [5]
+  assert quality._pick_best_lr(per_lr) == 1e-3

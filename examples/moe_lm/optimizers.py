@@ -74,10 +74,9 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return {k: t.replace(momentum=True, second_moment='factored') for k, t in pub.items()}
   if name == 'skewadam-adam-eps':
     return {k: t.replace(eps_mode='adam') for k, t in pub.items()}
-  adam = {k: t.replace(eps_mode='adam') for k, t in pub.items()}
-  router_momentum = dict(adam, router=adam['router'].replace(momentum=True))
+  # The shipped policy: additive eps on every tier and a router momentum.
+  router_momentum = dict(sj.RECOMMENDED_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':
-    assert router_momentum == dict(sj.RECOMMENDED_TIERS)  # the shipped policy
     return router_momentum
   if name == 'skewadam-adam-eps-router-momentum-expert-momentum-bf16':
     return dict(router_momentum, experts=router_momentum['experts'].replace(

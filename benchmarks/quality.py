@@ -314,13 +314,43 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
   base = next((r for r in rows if r['optimizer'] == BASELINE), None)
   for row in rows:
     row['gap_vs_baseline'] = None if base is None else row['loss_mean'] - base['loss_mean']
+    row['paired_gap'] = None if base is None or row is base else _paired_gap(
+        row['per_lr'][f'{row["best_lr"]:g}'], base['per_lr'][f'{base["best_lr"]:g}'],
+        base['loss_mean'])
     # "Same hyperparameters as Adam": each optimizer at the baseline's best lr, where
     # its lr means the same thing (not Muon's or Lion's).
     same = (None if base is None or row['optimizer'] in OWN_LR_SCALE
             else row['per_lr'].get(f'{base["best_lr"]:g}'))
     row['at_baseline_lr'] = None if same is None else dict(
-        same, gap=same['mean'] - base['loss_mean'])
+        same, gap=same['mean'] - base['loss_mean'],
+        paired_gap=_paired_gap(same, base['per_lr'][f'{base["best_lr"]:g}'],
+                               base['loss_mean']))
   return rows
+
+
+def _paired_gap(v: dict[str, Any], base: dict[str, Any], base_mean: float
+                ) -> Optional[dict[str, Any]]:
+  """The gap to the baseline seed by seed, in % of the baseline's mean loss.
+
+  A seed fixes the init and the batch order for every optimizer, so the per-seed
+  differences cancel the seed's own luck, which the difference of two means keeps.
+  Mean, sample std and standard error of the mean over the seeds both have run.
+  """
+  b = dict(zip(base['seeds'], base['losses']))
+  gaps = [100 * (x - b[seed]) / base_mean for x, seed in zip(v['losses'], v['seeds'])
+          if seed in b]
+  if not gaps:
+    return None
+  mean, std = _mean_std(gaps)
+  return {'pct': gaps, 'seeds': [s for s in v['seeds'] if s in b], 'mean_pct': mean,
+          'std_pct': std, 'se_pct': None if std is None else std / math.sqrt(len(gaps))}
+
+
+def _paired_text(pg: Optional[dict[str, Any]]) -> str:
+  if pg is None:
+    return '—'
+  se = '' if pg['se_pct'] is None else f' ± {pg["se_pct"]:.2f}%'
+  return f'{pg["mean_pct"]:+.2f}%{se} ({len(pg["pct"])})'
 
 
 def _pm(mean: float, std: Optional[float], n: int) -> str:
@@ -352,15 +382,18 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
       'Best lr: lowest mean final validation loss over the seeds that every lr of the '
       'optimizer has run (the first seed picks the lr; only that lr gets more seeds). '
       'Loss: nats/byte, mean ± '
-      'sample std over seeds (number of seeds). Router health at the end of the best-lr '
+      'sample std over seeds (number of seeds). Paired by seed: the mean over seeds of '
+      f'(loss - {BASELINE}\'s loss at the same seed, which has the same init and batches), '
+      f'in % of {BASELINE}\'s mean, ± its standard error (seeds). Router health at the '
+      'end of the best-lr '
       'runs, mean over seeds, per MoE layer (comma-separated); dead = share below '
       f'{model_lib.DEAD_BELOW:g} x uniform. The Switch aux loss / floor is 1 for uniform '
       'router probabilities whatever the assignments, so it is blind to collapse.', '',
   ]
   header = ['optimizer', 'best lr', 'final val loss', f'vs {BASELINE} (best lr each)',
-            'state bytes', 'tokens/s', 'dead experts', 'max share / uniform',
-            'min share / uniform', 'load entropy / log E', 'top-1 router prob',
-            'router weight norm', 'Switch aux / floor']
+            'paired by seed (± s.e.)', 'state bytes', 'tokens/s', 'dead experts',
+            'max share / uniform', 'min share / uniform', 'load entropy / log E',
+            'top-1 router prob', 'router weight norm', 'Switch aux / floor']
   body = []
   for row in rows:
     rt = row['router']
@@ -375,8 +408,9 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
         _per_layer(rt['top1_prob'], '.3f'), _per_layer(rt['router_norm'], '.3g'),
         f'{rt["aux_over_floor"]:.4f}'])
     speed = 'n/a' if row['tokens_per_s'] is None else f'{row["tokens_per_s"]:,.0f}'
+    paired = _paired_text(row.get('paired_gap'))
     body.append([row['optimizer'], f'{row["best_lr"]:g}',
-                 _pm(row['loss_mean'], row['loss_std'], row['n_seeds']), gap_text,
+                 _pm(row['loss_mean'], row['loss_std'], row['n_seeds']), gap_text, paired,
                  f'{row["state_bytes"]:,}', speed, *health])
   lines += [_common.markdown_table(header, body), '']
   muon = next((r for r in rows if r['optimizer'] == 'muon'), None)
@@ -404,9 +438,11 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
     lr = f'{base["best_lr"]:g}'
     lines += ['', f'### At {BASELINE}\'s best lr ({lr}), the same hyperparameters', '',
               _common.markdown_table(
-                  ['optimizer', f'final val loss at {lr}', f'vs {BASELINE} at {lr}'],
+                  ['optimizer', f'final val loss at {lr}', f'vs {BASELINE} at {lr}',
+                   'paired by seed (± s.e.)'],
                   [[row['optimizer'], _pm(v['mean'], v['std'], v['n']),
-                    f'{v["gap"]:+.4f} ({100 * v["gap"] / base["loss_mean"]:+.2f}%)']
+                    f'{v["gap"]:+.4f} ({100 * v["gap"] / base["loss_mean"]:+.2f}%)',
+                    _paired_text(v['paired_gap'])]
                    for row in same for v in [row['at_baseline_lr']]])]
   return '\n'.join(lines)
 

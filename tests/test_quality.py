@@ -144,7 +144,14 @@ def test_report_picks_the_best_lr_by_the_mean_over_seeds(tmp_path):
   # At AdamW's best lr (3e-3) SkewAdam's mean is 2.55: the same-hyperparameter table.
   assert rows['skewadam']['at_baseline_lr']['gap'] == pytest.approx(2.55 - 2.06)
   assert "### At adamw's best lr (0.003)" in text and '+0.4900 (+23.79%)' in text
-  assert '| skewadam | 0.001 | 1.9250 ± 0.0354 (2) | -0.1350 (-6.55%) | 100 |' in text
+  # Paired by seed: (1.9 - 2.05) and (1.95 - 2.07), in % of AdamW's mean 2.06.
+  gaps = 100 * np.array([1.9 - 2.05, 1.95 - 2.07]) / 2.06
+  pg = rows['skewadam']['paired_gap']
+  assert pg['pct'] == pytest.approx(gaps) and pg['seeds'] == [0, 1]
+  assert pg['se_pct'] == pytest.approx(np.std(gaps, ddof=1) / np.sqrt(2))
+  assert rows['adamw']['paired_gap'] is None
+  assert ('| skewadam | 0.001 | 1.9250 ± 0.0354 (2) | -0.1350 (-6.55%) | '
+          f'{gaps.mean():+.2f}% ± {pg["se_pct"]:.2f}% (2) | 100 |') in text
   assert 'yes: extend the grid' in text
   assert (tmp_path / 'memory_steps100.png').read_bytes()[:8] == PNG
 

@@ -49,50 +49,17 @@ from skewadam_jax._second_moment import Step
 ROW_MEAN_FLOOR = 1e-15
 
 
-def row_col_means(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Means of `g^2` (in float32) over the last axis ([..., R]) and the second-to-last
-  ([..., C]).
-
-  XLA:CPU materialises a full-size `g * g` (or, for bf16 `g`, its float32 cast) when one
-  elementwise producer feeds two reductions or a reduction and the final elementwise
-  pass; on the CPU an optimisation barrier gives each reduction its own copy of the
-  (already materialised) gradient to square inside its own fused loop, so no full-size
-  temporary exists.
-  """
-  g_row, g_col = _xla.cpu_barrier((g, g))
-  g_row = g_row.astype(jnp.float32)
-  g_col = g_col.astype(jnp.float32)
-  return jnp.mean(g_row * g_row, axis=-1), jnp.mean(g_col * g_col, axis=-2)
-
-
-def scaled_row_sumsq(x: jax.Array, col_scale: jax.Array) -> jax.Array:
-  """`sum_j (x_ij * col_scale_j)^2` over the last axis, in float32 ([..., R]).
-
-  The RMS of a separable update `x_ij * a_i * col_scale_j` is `sum_i a_i^2` times this,
-  so clipping it costs one more read of `x` and no full-size temporary (the barrier
-  keeps XLA from sharing this pass's products with the final elementwise pass).
-  """
-  xb, cb = _xla.cpu_barrier((x, col_scale))
-  sumsq = jnp.sum(jnp.square(xb.astype(jnp.float32) * cb[..., None, :]), axis=-1)
-  return _xla.cpu_fusion_boundary(sumsq)
-
-
-@jax.jit
-def zero_row_col(p: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Zero float32 row ([..., R]) and column ([..., C]) statistics for a parameter `p`.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def zero_row_col(p: jax.Array, rows: tuple[int, ...], col: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Zero float32 row (`p` without `col`) and column (`p` without `rows`) statistics.
 
   Reduced from `zeros_like(p)` so that they inherit `p`'s sharding minus the reduced
-  axis (slicing a sharded axis to length 1 is an error under an Explicit mesh); jitted
+  axes (slicing a sharded axis to length 1 is an error under an Explicit mesh); jitted
   so that XLA folds the full-size zeros away instead of allocating them in eager `init`.
   """
   zeros = jnp.zeros_like(p, dtype=jnp.float32)
-  return zeros.sum(axis=-1), zeros.sum(axis=-2)
-
-
-def normalised_rows(v_row: jax.Array) -> jax.Array:
-  """`v_row / max(mean(v_row over R), 1e-15)`: rows scaled to unit mean per matrix."""
-  mean = jnp.mean(v_row, axis=-1, keepdims=True)
-  return v_row / jnp.maximum(mean, ROW_MEAN_FLOOR)
+  return zeros.sum(axis=col), zeros.sum(axis=rows)
 
 
 def is_factored(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
@@ -109,9 +76,17 @@ class _Layout:
   col: int  # the column axis, in the leaf
 
   @classmethod
-  def of(cls, ndim: int, batch_axes: tuple[int, ...]) -> _Layout:
+  def of(cls, ndim: int, batch_axes: Optional[tuple[int, ...]]) -> _Layout:
+    """The layout for `batch_axes` (None: every axis before the last two)."""
+    if batch_axes is None:
+      batch_axes = tuple(range(ndim - 2))
     matrix = _second_moment.matrix_axes(ndim, batch_axes)
     return cls(ndim, matrix[:-1], matrix[-1])
+
+  @property
+  def batch(self) -> tuple[int, ...]:
+    """The batch axes, in the leaf."""
+    return tuple(a for a in range(self.ndim) if a not in self.rows + (self.col,))
 
   @property
   def rows_in_v_row(self) -> tuple[int, ...]:
@@ -149,112 +124,69 @@ class Factored(_second_moment.SecondMoment):
       return _exact.Exact(batch_axes)
     return self if batch_axes == self.batch_axes else Factored(batch_axes)
 
-  def _layout(self, ndim: int) -> Optional[_Layout]:
-    return None if self.batch_axes is None else _Layout.of(ndim, self.batch_axes)
+  def _layout(self, ndim: int) -> _Layout:
+    return _Layout.of(ndim, self.batch_axes)
 
   def init(self, param: Any, path: str) -> Stats:
     del path
     layout = self._layout(len(param.shape))
-    if layout is None:
-      v_row, v_col = zero_row_col(param)
-    else:
-      v_row, v_col = _zero_row_col_at(param, layout.rows, layout.col)
+    v_row, v_col = zero_row_col(param, layout.rows, layout.col)
     return {'v_row': v_row, 'v_col': v_col}
 
   def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
              ) -> tuple[jax.Array, Stats]:
     layout = self._layout(g.ndim)
-    if layout is not None:
-      return _update_at(layout, g, stats, x, step)
-    row_mean, col_mean = row_col_means(g)
-    v_row = step.b2 * stats['v_row'] + (1.0 - step.b2) * row_mean
-    v_col = step.b2 * stats['v_col'] + (1.0 - step.b2) * col_mean
-    rows = normalised_rows(v_row)
+    # XLA:CPU materialises a full-size `g * g` (or, for bf16 `g`, its float32 cast) when
+    # one elementwise producer feeds two reductions; the barrier gives each reduction its
+    # own copy of the (already materialised) gradient to square in its own fused loop.
+    g_row, g_col = _xla.cpu_barrier((g, g))
+    g_row = g_row.astype(jnp.float32)
+    g_col = g_col.astype(jnp.float32)
+    v_row = step.b2 * stats['v_row'] + (1.0 - step.b2) * jnp.mean(g_row * g_row,
+                                                                  axis=layout.col)
+    v_col = step.b2 * stats['v_col'] + (1.0 - step.b2) * jnp.mean(g_col * g_col,
+                                                                  axis=layout.rows)
+    mean = jnp.mean(v_row, axis=layout.rows_in_v_row, keepdims=True)
+    rows = v_row / jnp.maximum(mean, ROW_MEAN_FLOOR)
     new = {'v_row': v_row, 'v_col': v_col}
     if step.floor:
-      return _separable_update(x, rows, v_col, step), new
+      return _separable_update(layout, x, rows, v_col, step), new
 
     def u_of(x_, row_d, col_d, scale, eps_):
       return x_.astype(jnp.float32) * scale / (row_d * col_d + eps_)
 
-    operands = (x, jnp.sqrt(rows)[..., :, None], jnp.sqrt(v_col / step.bc2)[..., None, :],
-                step.num_scale, jnp.asarray(step.eps, jnp.float32))
-    return _second_moment.clipped(u_of, operands, g.ndim, step.clip), new
+    operands = (x, layout.row_factor(jnp.sqrt(rows)),
+                layout.col_factor(jnp.sqrt(v_col / step.bc2)), step.num_scale,
+                jnp.asarray(step.eps, jnp.float32))
+    return _second_moment.clipped(u_of, operands, g.ndim, step.clip, layout.batch), new
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:
     del mesh, path
     layout = self._layout(len(shape))
-    if layout is not None:
-      return {'v_row': layout.drop(spec, (layout.col,)), 'v_col': layout.drop(spec, layout.rows)}
-    return {'v_row': PartitionSpec(*spec[:-1]),
-            'v_col': PartitionSpec(*spec[:-2], *spec[-1:])}
+    return {'v_row': layout.drop(spec, (layout.col,)), 'v_col': layout.drop(spec, layout.rows)}
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _zero_row_col_at(p: jax.Array, rows: tuple[int, ...], col: int
-                     ) -> tuple[jax.Array, jax.Array]:
-  """`zero_row_col` for row axes `rows` and column axis `col` anywhere in the leaf."""
-  zeros = jnp.zeros_like(p, dtype=jnp.float32)
-  return zeros.sum(axis=col), zeros.sum(axis=rows)
-
-
-def _update_at(layout: _Layout, g: jax.Array, stats: Stats, x: jax.Array, step: Step
-               ) -> tuple[jax.Array, Stats]:
-  """The factored update for any layout of batch, row and column axes.
-
-  The same arithmetic as the default layout's path, with reductions over the row axes
-  and the column axis wherever they sit (no transposes).
-  """
-  g_row, g_col = _xla.cpu_barrier((g, g))
-  g_row = g_row.astype(jnp.float32)
-  g_col = g_col.astype(jnp.float32)
-  v_row = step.b2 * stats['v_row'] + (1.0 - step.b2) * jnp.mean(g_row * g_row, axis=layout.col)
-  v_col = step.b2 * stats['v_col'] + (1.0 - step.b2) * jnp.mean(g_col * g_col,
-                                                                  axis=layout.rows)
-  mean = jnp.mean(v_row, axis=layout.rows_in_v_row, keepdims=True)
-  rows = v_row / jnp.maximum(mean, ROW_MEAN_FLOOR)
-  new = {'v_row': v_row, 'v_col': v_col}
-  if step.floor:
-    col_inv = jax.lax.rsqrt(jnp.maximum(v_col, step.eps))
-    row_scale = step.num_scale * jax.lax.rsqrt(jnp.maximum(rows, step.eps))
-    if step.clip is not None:
-      xb, cb = _xla.cpu_barrier((x, col_inv))
-      sumsq = jnp.sum(jnp.square(xb.astype(jnp.float32) * layout.col_factor(cb)),
-                      axis=layout.col)
-      sumsq = _xla.cpu_fusion_boundary(sumsq)
-      size = math.prod(x.shape[a] for a in layout.rows + (layout.col,))
-      ms = jnp.sum(sumsq * jnp.square(row_scale), axis=layout.rows_in_v_row,
-                   keepdims=True) / size
-      row_scale = row_scale / jnp.maximum(1.0, jnp.sqrt(ms) / step.clip)
-    u = x.astype(jnp.float32) * layout.row_factor(row_scale) * layout.col_factor(col_inv)
-    return u, new
-
-  def u_of(x_, row_d, col_d, scale, eps_):
-    return x_.astype(jnp.float32) * scale / (row_d * col_d + eps_)
-
-  operands = (x, layout.row_factor(jnp.sqrt(rows)),
-              layout.col_factor(jnp.sqrt(v_col / step.bc2)), step.num_scale,
-              jnp.asarray(step.eps, jnp.float32))
-  batch = tuple(a for a in range(layout.ndim) if a not in layout.rows + (layout.col,))
-  return _second_moment.clipped(u_of, operands, g.ndim, step.clip, batch), new
-
-
-def _separable_update(x: jax.Array, rows: jax.Array, v_col: jax.Array, step: Step
-                      ) -> jax.Array:
+def _separable_update(layout: _Layout, x: jax.Array, rows: jax.Array, v_col: jax.Array,
+                      step: Step) -> jax.Array:
   """`u = x num_scale a_i b_j` with the floored factors, RMS-clipped per matrix.
 
   The clip needs only `sum_j (x_ij b_j)^2` per row, and the final pass multiplies by
-  per-row and per-column factors.
+  per-row and per-column factors: no full-size temporary.
   """
   col_inv = jax.lax.rsqrt(jnp.maximum(v_col, step.eps))
   row_scale = step.num_scale * jax.lax.rsqrt(jnp.maximum(rows, step.eps))
   if step.clip is not None:
-    sumsq = scaled_row_sumsq(x, col_inv)
-    ms = (jnp.sum(sumsq * jnp.square(row_scale), axis=-1, keepdims=True)
-          / (x.shape[-2] * x.shape[-1]))
+    # The barrier keeps XLA from sharing this pass's products with the final pass.
+    xb, cb = _xla.cpu_barrier((x, col_inv))
+    sumsq = jnp.sum(jnp.square(xb.astype(jnp.float32) * layout.col_factor(cb)),
+                    axis=layout.col)
+    sumsq = _xla.cpu_fusion_boundary(sumsq)
+    size = math.prod(x.shape[a] for a in layout.rows + (layout.col,))
+    ms = jnp.sum(sumsq * jnp.square(row_scale), axis=layout.rows_in_v_row,
+                 keepdims=True) / size
     row_scale = row_scale / jnp.maximum(1.0, jnp.sqrt(ms) / step.clip)
-  return x.astype(jnp.float32) * row_scale[..., :, None] * col_inv[..., None, :]
+  return x.astype(jnp.float32) * layout.row_factor(row_scale) * layout.col_factor(col_inv)
 
 
 FACTORED = Factored()

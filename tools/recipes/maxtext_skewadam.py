@@ -1,8 +1,9 @@
 """SkewAdam in MaxText through its optimizer factory (tiny scanned Mixtral, CPU).
 
 Run with the MaxText venv:
-  /work/venvs/maxtext/bin/python tools/recipes/maxtext_skewadam.py           # labels, bytes, steps
-  /work/venvs/maxtext/bin/python tools/recipes/maxtext_skewadam.py --train   # MaxText's own train.main (10 steps)
+  /work/venvs/maxtext/bin/python tools/recipes/maxtext_skewadam.py          # labels, bytes, steps
+  /work/venvs/maxtext/bin/python tools/recipes/maxtext_skewadam.py --train  # its train.main,
+                                                                            # 10 steps
 
 MaxText builds its optimizer in maxtext.optimizers.optimizers.get_optimizer(config,
 learning_rate_schedule, model=None, mesh=None), dispatching on config.opt_type (a validated

@@ -24,7 +24,6 @@ import dataclasses
 import fnmatch
 import functools
 import re
-import sys
 import warnings
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -222,43 +221,9 @@ def _shape(x: Any) -> tuple[int, ...]:
   return tuple(int(d) for d in shape)
 
 
-def _box_types() -> tuple[type, ...]:
-  """Flax boxes that carry axis names, if Flax is loaded (nothing to find otherwise)."""
-  types: list[type] = []
-  nnx = sys.modules.get('flax.nnx')
-  if nnx is not None:
-    for name in ('Variable', 'VariableState'):
-      t = vars(nnx).get(name)  # vars(): no deprecation warning for removed aliases
-      if isinstance(t, type):
-        types.append(t)
-  meta = sys.modules.get('flax.core.meta')
-  if meta is not None and isinstance(getattr(meta, 'AxisMetadata', None), type):
-    types.append(meta.AxisMetadata)
-  return tuple(types)
-
-
-def _box_names(box: Any) -> Optional[tuple[Any, ...]]:
-  """Axis names of a Linen `nn.Partitioned` box or an NNX variable's sharding metadata."""
-  names = getattr(box, 'names', None)
-  if names is None:
-    get = getattr(box, 'get_metadata', None)
-    metadata = get() if callable(get) else getattr(box, 'metadata', None)
-    if isinstance(metadata, Mapping):
-      for key in ('sharding_names', 'out_sharding', 'sharding'):
-        if metadata.get(key) is not None:
-          names = metadata[key]
-          break
-  if names is None or isinstance(names, str):
-    return None
-  try:
-    return tuple(names)
-  except TypeError:
-    return None
-
-
 def _axis_names_by_path(params: Any) -> dict[tuple[str, ...], tuple[Any, ...]]:
   """Normalised path -> axis names, for every Flax box in `params` that has them."""
-  types = _box_types()
+  types = _tree.box_types()
   if not types:
     return {}
   boxes, _ = jax.tree_util.tree_flatten_with_path(
@@ -266,7 +231,7 @@ def _axis_names_by_path(params: Any) -> dict[tuple[str, ...], tuple[Any, ...]]:
   out = {}
   for path, box in boxes:
     if isinstance(box, types):
-      names = _box_names(box)
+      names = _tree.box_names(box)
       if names is not None:
         out[_tree.path_segments(path)] = names
   return out

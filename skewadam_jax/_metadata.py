@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional
 import jax
 from jax.sharding import PartitionSpec
 
-from skewadam_jax import _labels
 from skewadam_jax import _tree
 
 Names = tuple[Any, ...]  # one axis name (or None) per dimension
@@ -90,7 +89,7 @@ def rename_boxes(
   Returns:
     `field`, with renamed copies of the boxes whose names change.
   """
-  types = _labels._box_types()  # noqa: SLF001
+  types = _tree.box_types()
   if not types:
     return field
 
@@ -101,7 +100,7 @@ def rename_boxes(
     if not (is_box(param) and is_box(stat)):
       return stat
     value = _box_value(param)
-    names = _labels._box_names(param)  # noqa: SLF001
+    names = _tree.box_names(param)
     if value is None or names is None or not jax.tree.leaves(stat):
       return stat
     shape = tuple(value.shape)
@@ -138,7 +137,7 @@ def unbox(tree: Any) -> Any:
   State fields whose boxes name the axes their statistic keeps no longer share the
   params' treedef (box metadata is part of it); unboxed, both have the same structure.
   """
-  types = _labels._box_types()  # noqa: SLF001
+  types = _tree.box_types()
   if not types:
     return tree
 

@@ -1,8 +1,9 @@
-"""Small pytree helpers: flattening with readable, normalised paths."""
+"""Small pytree helpers: flattening with readable, normalised paths; Flax boxes."""
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Mapping, Optional
 
 import jax
 
@@ -37,3 +38,37 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
   """Leaves of `tree` with their '/'-joined paths, and the treedef."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return [(path_str(p), leaf) for p, leaf in with_path], treedef
+
+
+def box_types() -> tuple[type, ...]:
+  """Flax boxes that carry axis names, if Flax is loaded (nothing to find otherwise)."""
+  types: list[type] = []
+  nnx = sys.modules.get('flax.nnx')
+  if nnx is not None:
+    for name in ('Variable', 'VariableState'):
+      t = vars(nnx).get(name)  # vars(): no deprecation warning for removed aliases
+      if isinstance(t, type):
+        types.append(t)
+  meta = sys.modules.get('flax.core.meta')
+  if meta is not None and isinstance(getattr(meta, 'AxisMetadata', None), type):
+    types.append(meta.AxisMetadata)
+  return tuple(types)
+
+
+def box_names(box: Any) -> Optional[tuple[Any, ...]]:
+  """Axis names of a Linen `nn.Partitioned` box or an NNX variable's sharding metadata."""
+  names = getattr(box, 'names', None)
+  if names is None:
+    get = getattr(box, 'get_metadata', None)
+    metadata = get() if callable(get) else getattr(box, 'metadata', None)
+    if isinstance(metadata, Mapping):
+      for key in ('sharding_names', 'out_sharding', 'sharding'):
+        if metadata.get(key) is not None:
+          names = metadata[key]
+          break
+  if names is None or isinstance(names, str):
+    return None
+  try:
+    return tuple(names)
+  except TypeError:
+    return None

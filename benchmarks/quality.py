@@ -8,10 +8,15 @@ the steps, then cosine to 0), global-norm clip 1.0 and weight decay 0.1 (see
 
 Optimizers (default): AdamW, Adafactor (`optax.adafactor`, no momentum) and Adafactor
 with its `momentum=0.9` option, Muon (`optax.contrib.muon`), AdamPM (s = 8), SkewAdam
-(published tiers) and SkewAdam with Adam's additive eps on every tier
-(`skewadam-adam-eps`). Each runs at every `--lrs` and every `--seeds`; Muon runs at
-every `--muon-lrs` instead (the lr of its orthogonalised matrices lives on another
-scale), its Adam branch (embeddings, norms, router) at `--muon-adam-lr`.
+(published tiers), SkewAdam with Adam's additive eps on every tier
+(`skewadam-adam-eps`) and `sj.RECOMMENDED_TIERS` (`skewadam-adam-eps-router-momentum`).
+Each runs at every `--lrs` and every `--seeds`; Muon runs at every `--muon-lrs` instead
+(the lr of its orthogonalised matrices lives on another scale), its Adam branch
+(embeddings, norms, router) at `--muon-adam-lr`.
+
+The protocol, the same for every optimizer: the grid at the first seed (extended where
+the best is at an edge); one `--refine` step (the geometric midpoint of the best lr and
+its better neighbour, first seed); then the best lr again with more seeds.
 
 One JSON per run, `<out>/runs/<optimizer>_lr<lr>_seed<seed>_steps<steps>.json`,
 written atomically when the run ends. A run whose JSON exists and is complete is
@@ -22,7 +27,8 @@ complete run JSON of this `--preset` and `--steps` under `--out` is read back in
 
 * `report_steps<N>.md` and `.json`: per optimizer its best lr (lowest mean final
   validation loss over the seeds every lr has run), the final validation loss at that
-  lr as mean and std over seeds, the gap to AdamW at its own best lr, state bytes,
+  lr as mean and std over seeds, the gap to AdamW at its own best lr (also paired by
+  seed: the same seed means the same init and batches), state bytes,
   tokens/s and router health (per MoE layer, validation without router noise; see
   examples/moe_lm/train.py);
   and the final loss at every lr, flagging a best lr at the edge of the grid; dead
@@ -38,6 +44,7 @@ complete run JSON of this `--preset` and `--steps` under `--out` is read back in
 
   python benchmarks/quality.py                    # the full sweep (hours; resumable)
   python benchmarks/quality.py --seeds 0          # seed 0 of every (optimizer, lr) first
+  python benchmarks/quality.py --refine --seeds 0  # one midpoint lr per optimizer
   python benchmarks/quality.py --report-only      # report what has finished so far
   python benchmarks/quality.py --preset tiny --steps 20 --lrs 1e-3 --seeds 0 \\
       --optimizers adamw skewadam --eval-every 10 --out /tmp/quality   # smoke test
@@ -76,6 +83,8 @@ OWN_LR_SCALE = ('muon', 'lion')
 # AdamW's best lr in the earlier 300- and 2000-step comparisons on this model.
 MUON_ADAM_LR = 1e-3
 SEEDS = (0, 1, 2)
+# `--refine` splits a pair of neighbouring lrs at least this far apart (see refined_lr).
+REFINE_ABOVE = 1.9
 STEPS = 2000
 BASELINE = 'adamw'
 
@@ -122,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
               help='output directory (run JSONs under <out>/runs, the report beside them)')
   _cli.option(p, '--report-only', action='store_true',
               help='train nothing: report the complete run JSONs already under --out')
+  _cli.option(p, '--refine', action='store_true',
+              help='instead of the grid, run each optimizer once (first of --seeds) at the '
+                   'geometric midpoint of its best lr so far and the better neighbour')
   return p
 
 
@@ -152,6 +164,41 @@ def plan(args: argparse.Namespace) -> list[Run]:
         grid = list(dict.fromkeys(args.muon_lrs if name == 'muon' else args.lrs))
         if i < len(grid):
           runs.append(Run(name, float(grid[i]), seed, args.steps))
+  return runs
+
+
+def refined_lr(per_lr: dict[float, dict[str, Any]]) -> Optional[float]:
+  """The lr halfway (geometrically, 2 significant digits) between the best lr and the
+  better of its neighbours, or None once the two are less than `REFINE_ABOVE` apart.
+
+  The grid's steps (about 3x; Muon's 2x) are coarser than the differences between
+  optimizers; one refinement step, the same rule for every optimizer, finds where
+  between two grid points the best lies. A refined pair is under 1.8x apart, so a
+  second `--refine` proposes nothing: no optimizer is tuned further than the others.
+  """
+  lrs = sorted(per_lr)
+  if len(lrs) < 2:
+    return None
+  best = _pick_best_lr(per_lr)
+  i = lrs.index(best)
+  neighbours = [lrs[j] for j in (i - 1, i + 1) if 0 <= j < len(lrs)]
+  other = _pick_best_lr({lr: per_lr[lr] for lr in neighbours})
+  if max(best, other) / min(best, other) < REFINE_ABOVE:
+    return None
+  return float(f'{math.sqrt(best * other):.2g}')
+
+
+def refinement_plan(args: argparse.Namespace, records: list[dict[str, Any]]) -> list[Run]:
+  """One run per optimizer of `--optimizers` at its `refined_lr`, first of `--seeds`."""
+  rows = {row['optimizer']: row for row in summarize(records)}
+  runs = []
+  for name in dict.fromkeys(args.optimizers):
+    if name not in rows:
+      continue
+    per_lr = {float(lr): v for lr, v in rows[name]['per_lr'].items()}
+    lr = refined_lr(per_lr)
+    if lr is not None:
+      runs.append(Run(name, lr, args.seeds[0], args.steps))
   return runs
 
 
@@ -198,7 +245,8 @@ def run_status(path: Path, tc: train_lib.TrainConfig) -> tuple[str, str]:
 
 def sweep(args: argparse.Namespace, run_dir: Path) -> None:
   """Trains every planned run whose JSON is not complete yet, writing one JSON each."""
-  runs = plan(args)
+  runs = (refinement_plan(args, load_runs(run_dir, args.preset, args.steps))
+          if args.refine else plan(args))
   todo = []
   for run in runs:
     tc = train_config(args, run)

@@ -166,3 +166,36 @@ def test_best_lr_is_picked_on_the_seeds_every_lr_has_run():
   # Without a seed in common the means decide.
   per_lr[3e-3]['seeds'] = [5]
   assert quality._pick_best_lr(per_lr) == 1e-3
+
+
+def test_refined_lr_splits_the_best_and_its_better_neighbour_once():
+  def grid(**losses):
+    return {float(k[2:].replace('_', '.')): {'mean': v, 'losses': [v], 'seeds': [0]}
+            for k, v in losses.items()}
+
+  # Best 3e-3; 1e-3 beats 1e-2: halfway between 1e-3 and 3e-3.
+  per_lr = grid(lr0_001=1.52, lr0_003=1.48, lr0_01=1.59)
+  assert quality.refined_lr(per_lr) == 0.0017
+  # The better neighbour above: between 3e-3 and 1e-2.
+  per_lr = grid(lr0_001=1.59, lr0_003=1.51, lr0_01=1.58)
+  assert quality.refined_lr(per_lr) == 0.0055
+  # Muon's factor-2 grid is split too.
+  assert quality.refined_lr(grid(lr0_01=1.2393, lr0_02=1.2392, lr0_04=1.43)) == 0.014
+  # Once refined, nothing more: 1.7e-3 is best, its neighbours are under 1.9x away.
+  per_lr = grid(lr0_001=1.52, lr0_0017=1.47, lr0_003=1.48, lr0_01=1.59)
+  assert quality.refined_lr(per_lr) is None
+  # A single lr has no neighbour.
+  assert quality.refined_lr(grid(lr0_001=1.5)) is None
+
+
+def test_refine_plans_one_run_per_optimizer_at_the_first_seed(tmp_path):
+  for (name, lr), loss in {('adamw', 1e-3): 2.2, ('adamw', 3e-3): 2.0,
+                           ('adamw', 1e-2): 2.4, ('skewadam', 1e-3): 1.9,
+                           ('skewadam', 3e-3): 2.5}.items():
+    r = _fake_record(name, lr, 0, loss)
+    path = tmp_path / f'{quality.Run(**r["sweep"]).name}.json'
+    path.write_text(json.dumps(r))
+  args = quality.parse_args(['--refine', '--seeds', '3', '1', '--steps', '100',
+                             '--preset', 'tiny', '--optimizers', 'skewadam', 'adamw', 'muon'])
+  runs = quality.refinement_plan(args, quality.load_runs(tmp_path, 'tiny', 100))
+  assert runs == [quality.Run('skewadam', 0.0017, 3, 100), quality.Run('adamw', 0.0017, 3, 100)]

@@ -168,6 +168,22 @@ def test_best_lr_is_picked_on_the_seeds_every_lr_has_run():
   assert quality._pick_best_lr(per_lr) == 1e-3
 
 
+def test_lrs_rerun_with_three_seeds_decide_on_the_seeds_they_share():
+  # Seed 0 nominates 3e-3 (1.48 against 1.49), but with seeds 0-2 at both lrs 1.7e-3 is
+  # lower (1.475 against 1.4865 on the shared seeds; 3e-3's seeds 3-4 do not count).
+  per_lr = {1.7e-3: {'mean': 1.475, 'losses': [1.49, 1.47, 1.465], 'seeds': [0, 1, 2]},
+            3e-3: {'mean': 1.4933, 'losses': [1.48, 1.498, 1.482, 1.503, 1.504],
+                   'seeds': [0, 1, 2, 3, 4]},
+            # Two seeds, one of them excellent: too few to compete.
+            1e-2: {'mean': 1.475, 'losses': [1.55, 1.40], 'seeds': [0, 1]},
+            1e-3: {'mean': 1.52, 'losses': [1.52], 'seeds': [0]}}
+  assert quality.BEST_LR_SEEDS == 3
+  assert quality._pick_best_lr(per_lr) == 1.7e-3
+  # A nominee with a single seed stays the pick until it is rerun.
+  per_lr[1e-3] = {'mean': 1.40, 'losses': [1.40], 'seeds': [0]}
+  assert quality._pick_best_lr(per_lr) == 1e-3
+
+
 def test_refined_lr_splits_the_best_and_its_better_neighbour_once():
   def grid(**losses):
     return {float(k[2:].replace('_', '.')): {'mean': v, 'losses': [v], 'seeds': [0]}

@@ -9,7 +9,7 @@ the steps, then cosine to 0), global-norm clip 1.0 and weight decay 0.1 (see
 Optimizers (default): AdamW, Adafactor (`optax.adafactor`, no momentum) and Adafactor
 with its `momentum=0.9` option, Muon (`optax.contrib.muon`), AdamPM (s = 8), SkewAdam
 (published tiers), SkewAdam with Adam's additive eps on every tier
-(`skewadam-adam-eps`) and `sj.RECOMMENDED_TIERS` (`skewadam-adam-eps-router-momentum`).
+(`skewadam-adam-eps`) and `sj.ADAM_EPS_TIERS` (`skewadam-adam-eps-router-momentum`).
 Each runs at every `--lrs` and every `--seeds`; Muon runs at every `--muon-lrs` instead
 (the lr of its orthogonalised matrices lives on another scale), its Adam branch
 (embeddings, norms, router) at `--muon-adam-lr`.
@@ -482,7 +482,7 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
               f'{muon["hyperparameters"].get("adam_lr")}.', '']
   names = ', '.join(f'`{r["optimizer"]}`' for r in rows)
   lines += [f'SkewAdam policies: `skewadam` is `sj.PUBLISHED_TIERS`, '
-            '`skewadam-adam-eps-router-momentum` is `sj.RECOMMENDED_TIERS`; every name '
+            '`skewadam-adam-eps-router-momentum` is `sj.ADAM_EPS_TIERS`; every name '
             f'({names}) is defined in examples/moe_lm/optimizers.py.', '']
   lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
   body = []

@@ -13,7 +13,7 @@ from skewadam_jax._grouped import scale_by_grouped_second_moment
 from skewadam_jax._tiered import scale_by_tiered_adam
 # Tier configuration: the published policy, ours, and how to change or add a tier.
 from skewadam_jax._tiered import PUBLISHED_TIERS
-from skewadam_jax._tiered import RECOMMENDED_TIERS
+from skewadam_jax._tiered import ADAM_EPS_TIERS
 from skewadam_jax._tiered import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
 from skewadam_jax._grouped import GroupedSecondMomentState
@@ -51,6 +51,7 @@ from skewadam_jax._rounding import stochastic_round
 __version__ = '0.1.0'
 
 __all__ = (
+    'ADAM_EPS_TIERS',
     'DEFAULT_RULES',
     'Exact',
     'Factored',
@@ -59,7 +60,6 @@ __all__ = (
     'LeafReport',
     'MemoryReport',
     'PUBLISHED_TIERS',
-    'RECOMMENDED_TIERS',
     'SecondMoment',
     'Step',
     'Tier',

@@ -5,10 +5,11 @@ A tier chooses momentum (on/off and its dtype), a second-moment estimator (`exac
 clip of the update, how `eps` enters, and whether weight decay applies.
 `PUBLISHED_TIERS` is the policy of the SkewAdam paper: the dense backbone keeps
 momentum and a factored second moment, the expert bank only a factored second moment
-per expert, the router an exact one. `RECOMMENDED_TIERS` is ours: the same tiers with
-Adam's additive eps and an fp32 router momentum, measured to train better at small
-scale for 2% more state. Each estimator lives in its own module
-(`_exact`, `_factored`, `_grouped`); this one only composes them.
+per expert, the router an exact one. `ADAM_EPS_TIERS` is ours: the same tiers with
+Adam's additive eps and an fp32 router momentum, which train well at AdamW's own
+learning rate (the published floor wants a larger one) for 2% more state. Each
+estimator lives in its own module (`_exact`, `_factored`, `_grouped`); this one only
+composes them.
 """
 
 from __future__ import annotations
@@ -121,10 +122,11 @@ PUBLISHED_TIERS: Mapping[str, Tier] = {
 }
 
 # Beyond the paper: with tiny expert and router gradients (RMS ~1e-5 at init) the
-# published eps floor sets their denominators and damps their updates, and a router
-# without momentum learns slowly. Additive eps and an fp32 router momentum (a [d, E]
-# kernel: a few KB) fix both; the tiers and their state are otherwise the published ones.
-RECOMMENDED_TIERS: Mapping[str, Tier] = {
+# published eps floor sets their denominators and damps their updates, so the published
+# tiers want a larger lr than Adam's, and a router without momentum learns slowly.
+# Additive eps and an fp32 router momentum (a [d, E] kernel: a few KB) make AdamW's lr
+# work; the tiers and their state are otherwise the published ones.
+ADAM_EPS_TIERS: Mapping[str, Tier] = {
     'backbone': Tier(momentum=True, second_moment='factored', eps_mode='adam'),
     'experts': Tier(momentum=False, second_moment='factored', eps_mode='adam'),
     'router': Tier(momentum=True, second_moment='exact', eps_mode='adam',

@@ -58,14 +58,14 @@ def test_published_skewadam_matches_reference_over_30_steps():
   assert min(np.max(np.abs(got[k] - start[k])) for k in start) > 1e-3
 
 
-def test_recommended_skewadam_matches_reference_over_30_steps():
+def test_adam_eps_tiers_match_reference_over_30_steps():
   wd = 0.1
   policy = {'backbone': dict(momentum=True, second_moment='factored', eps_mode='adam'),
             'experts': dict(momentum=False, second_moment='factored', eps_mode='adam'),
             'router': dict(momentum=True, second_moment='exact', eps_mode='adam')}
   expected, rules = _ref_run(lambda k: policy[_tier_of(k)], wd=wd,
                              decay=lambda k: _tier_of(k) != 'router')
-  got, state = run_optax(sj.skewadam(LR, weight_decay=wd, tiers=sj.RECOMMENDED_TIERS),
+  got, state = run_optax(sj.skewadam(LR, weight_decay=wd, tiers=sj.ADAM_EPS_TIERS),
                          init_params(), make_grads_fn(), STEPS)
   worst = max(np.max(np.abs(got[k] - expected[k])) for k in expected)
   assert worst <= 1e-5, worst
@@ -74,8 +74,8 @@ def test_recommended_skewadam_matches_reference_over_30_steps():
   assert min(np.max(np.abs(got[k] - start[k])) for k in start) > 1e-3
 
 
-def test_recommended_tiers_differ_from_published_only_in_eps_and_router_momentum():
-  for name, tier in sj.RECOMMENDED_TIERS.items():
+def test_adam_eps_tiers_differ_from_published_only_in_eps_and_router_momentum():
+  for name, tier in sj.ADAM_EPS_TIERS.items():
     published = sj.PUBLISHED_TIERS[name]
     changes = {'eps_mode': 'adam'}
     if name == 'router':
@@ -83,10 +83,10 @@ def test_recommended_tiers_differ_from_published_only_in_eps_and_router_momentum
     assert tier == published.replace(**changes), name
   params = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in init_params().items()}
   published = sj.memory_report(nest(params), sj.skewadam(1e-3)).total_state_bytes
-  recommended = sj.memory_report(
-      nest(params), sj.skewadam(1e-3, tiers=sj.RECOMMENDED_TIERS)).total_state_bytes
+  adam_eps = sj.memory_report(
+      nest(params), sj.skewadam(1e-3, tiers=sj.ADAM_EPS_TIERS)).total_state_bytes
   router = sum(v.size * 4 for k, v in params.items() if _tier_of(k) == 'router')
-  assert router > 0 and recommended == published + router
+  assert router > 0 and adam_eps == published + router
 
 
 # A smaller tree for the option grid: stacked odd experts, a matrix with tiny

@@ -153,7 +153,7 @@ def test_ablations_change_exactly_their_tiers():
   assert {k: t.replace(eps_mode='floor') for k, t in eps.items()} == pub
   assert all(t.eps_mode == 'adam' for t in eps.values())
   rec = opt_lib.skewadam_tiers('skewadam-adam-eps-router-momentum')
-  assert rec == dict(sj.RECOMMENDED_TIERS)
+  assert rec == dict(sj.ADAM_EPS_TIERS)
   assert rec == dict(eps, router=eps['router'].replace(momentum=True))
   bf16 = opt_lib.skewadam_tiers('skewadam-adam-eps-router-momentum-expert-momentum-bf16')
   assert bf16['experts'] == rec['experts'].replace(momentum=True, mu_dtype=jnp.bfloat16)

@@ -11,7 +11,7 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-adam-eps`: the published tiers with Adam's additive eps
   (`eps_mode='adam'`) instead of the floor.
 * `skewadam-adam-eps-router-momentum`: the same, and the router keeps an fp32 momentum
-  (`sj.RECOMMENDED_TIERS`).
+  (`sj.ADAM_EPS_TIERS`).
 * `skewadam-adam-eps-noclip`: the same as `skewadam-adam-eps` without the RMS clip.
 * `skewadam-adam-eps-router-momentum-expert-momentum-bf16`: router momentum as above,
   and the experts keep a bfloat16 momentum.
@@ -74,8 +74,8 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return {k: t.replace(momentum=True, second_moment='factored') for k, t in pub.items()}
   if name == 'skewadam-adam-eps':
     return {k: t.replace(eps_mode='adam') for k, t in pub.items()}
-  # The shipped policy: additive eps on every tier and a router momentum.
-  router_momentum = dict(sj.RECOMMENDED_TIERS)
+  # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
+  router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':
     return router_momentum
   if name == 'skewadam-adam-eps-router-momentum-expert-momentum-bf16':

@@ -25,12 +25,11 @@ one; a JSON made with other settings (preset, batch, schedule, evaluation) stops
 sweep instead of being mixed in. After the runs (or alone, with `--report-only`) every
 complete run JSON of this `--preset` and `--steps` under `--out` is read back into:
 
-* `report_steps<N>.md` and `.json`: per optimizer its best lr (lowest mean final
-  validation loss over the seeds every lr has run), the final validation loss at that
-  lr (the first seed nominates; lrs with 3 or more seeds compete on the seeds they
-  share) as mean and std over seeds, the gap to AdamW at its own best lr (also paired by
-  seed: the same seed means the same init and batches), state bytes,
-  tokens/s and router health (per MoE layer, validation without router noise; see
+* `report_steps<N>.md` and `.json`: per optimizer its best lr (the first seed
+  nominates it; lrs with 3 or more seeds compete on the seeds they share), the final
+  validation loss at that lr as mean and std over seeds, the gap to AdamW at its own
+  best lr (also paired by seed: the same seed means the same init and batches), state
+  bytes, tokens/s and router health (per MoE layer, validation without router noise; see
   examples/moe_lm/train.py);
   and the final loss at every lr, flagging a best lr at the edge of the grid; dead
   experts and router norm over training at each best lr, and the dead experts of every

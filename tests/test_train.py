@@ -161,6 +161,25 @@ def test_ablations_change_exactly_their_tiers():
   assert exact == dict(rec, backbone=rec['backbone'].replace(second_moment='exact'))
   floor = opt_lib.skewadam_tiers('skewadam-floor-backbone-router-momentum')
   assert floor == dict(rec, backbone=pub['backbone'])
+  fast = opt_lib.skewadam_tiers('skewadam-router-adam-eps-momentum')
+  assert fast == dict(pub, router=pub['router'].replace(eps_mode='adam', momentum=True))
+  add = opt_lib.skewadam_tiers('skewadam-router-adam-eps')
+  assert add == dict(pub, router=pub['router'].replace(eps_mode='adam'))
+
+
+def test_adampm_input_axis_pools_along_the_second_to_last_axis(tiny_model):
+  params, _ = tiny_model
+  shapes = {}
+  for name in ('adampm', 'adampm-input-axis'):
+    tx, info = opt_lib.make_optimizer(name, total_steps=10, warmup_steps=0)
+    assert info['axis'] == (-2 if name == 'adampm-input-axis' else -1)
+    state = jax.eval_shape(tx.init, params)
+    shapes[name] = [x.shape for x in jax.tree.leaves(state) if getattr(x, 'ndim', 0) >= 2]
+  kernels = [p.shape for p in jax.tree.leaves(params) if p.ndim == 2]
+  rows, cols = kernels[0]
+  assert (-(-rows // 8), cols) in shapes['adampm-input-axis']
+  assert (rows, -(-cols // 8)) in shapes['adampm']
+  assert (-(-rows // 8), cols) not in shapes['adampm'] or rows == cols
 
 
 def test_muon_orthogonalises_matrices_and_experts_only():

@@ -19,7 +19,12 @@ warmup + cosine learning-rate schedule. Names:
   backbone keeps an exact (unfactored) second moment.
 * `skewadam-floor-backbone-router-momentum`: router momentum, Adam's additive eps on the
   experts and the router only; the backbone keeps the published floor.
-* `adamw`, `adampm` (group size 8 along the last axis), `adafactor`
+* `skewadam-router-adam-eps`: the published backbone and experts (eps floor); the
+  router alone takes Adam's additive eps.
+* `skewadam-router-adam-eps-momentum`: the same, and the router keeps an fp32 momentum.
+* `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
+  pooled along the second-to-last axis: the input axis of `[in, out]` kernels and
+  `[E, in, out]` expert banks; 1-D leaves along their only axis), `adafactor`
   (`optax.adafactor` without momentum and without parameter scaling, so that its step
   size is Adam-like), `adafactor-momentum` (the same with its `momentum=0.9` option, a
   float32 first moment), `lion` (`optax.lion`), `muon` (`optax.contrib.muon` on the
@@ -45,21 +50,25 @@ import skewadam_jax as sj
 
 ADAM_LR = 3e-4
 OPTIMIZERS = (
-    'skewadam', 'adampm', 'adamw', 'adafactor', 'adafactor-momentum', 'lion', 'muon',
+    'skewadam', 'adampm', 'adampm-input-axis', 'adamw', 'adafactor', 'adafactor-momentum',
+    'lion', 'muon',
     'skewadam-expert-momentum', 'skewadam-factored-all', 'skewadam-adam-eps',
     'skewadam-adam-eps-router-momentum', 'skewadam-adam-eps-noclip',
     'skewadam-adam-eps-router-momentum-expert-momentum-bf16',
     'skewadam-adam-eps-router-momentum-exact-backbone',
-    'skewadam-floor-backbone-router-momentum',
+    'skewadam-floor-backbone-router-momentum', 'skewadam-router-adam-eps',
+    'skewadam-router-adam-eps-momentum',
 )
 DEFAULT_LR = {
-    'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adamw': ADAM_LR, 'adafactor': ADAM_LR,
+    'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adampm-input-axis': ADAM_LR, 'adamw': ADAM_LR,
+    'adafactor': ADAM_LR,
     'adafactor-momentum': ADAM_LR, 'lion': 1e-4, 'muon': 0.02, 'skewadam-expert-momentum': ADAM_LR,
     'skewadam-factored-all': ADAM_LR, 'skewadam-adam-eps': ADAM_LR,
     'skewadam-adam-eps-router-momentum': ADAM_LR, 'skewadam-adam-eps-noclip': ADAM_LR,
     'skewadam-adam-eps-router-momentum-expert-momentum-bf16': ADAM_LR,
     'skewadam-adam-eps-router-momentum-exact-backbone': ADAM_LR,
     'skewadam-floor-backbone-router-momentum': ADAM_LR,
+    'skewadam-router-adam-eps': ADAM_LR, 'skewadam-router-adam-eps-momentum': ADAM_LR,
 }
 
 
@@ -74,6 +83,12 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return {k: t.replace(momentum=True, second_moment='factored') for k, t in pub.items()}
   if name == 'skewadam-adam-eps':
     return {k: t.replace(eps_mode='adam') for k, t in pub.items()}
+  # The published floor slows the router most (its gradients are the smallest), so these
+  # keep the published backbone and experts and change the router alone.
+  if name == 'skewadam-router-adam-eps':
+    return dict(pub, router=pub['router'].replace(eps_mode='adam'))
+  if name == 'skewadam-router-adam-eps-momentum':
+    return dict(pub, router=pub['router'].replace(eps_mode='adam', momentum=True))
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':
@@ -165,9 +180,10 @@ def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
   elif name == 'adamw':
     tx = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
     info['weight_decay'] = weight_decay
-  elif name == 'adampm':
-    tx = sj.adampm(schedule, weight_decay=weight_decay, group_size=group_size)
-    info.update(weight_decay=weight_decay, group_size=group_size)
+  elif name in ('adampm', 'adampm-input-axis'):
+    axis = -2 if name == 'adampm-input-axis' else -1
+    tx = sj.adampm(schedule, weight_decay=weight_decay, group_size=group_size, axis=axis)
+    info.update(weight_decay=weight_decay, group_size=group_size, axis=axis)
   elif name in ('adafactor', 'adafactor-momentum'):
     momentum = 0.9 if name == 'adafactor-momentum' else None
     tx = optax.adafactor(schedule, multiply_by_parameter_scale=False, clipping_threshold=1.0,

@@ -9,7 +9,8 @@ the steps, then cosine to 0), global-norm clip 1.0 and weight decay 0.1 (see
 Optimizers (default): AdamW, Adafactor (`optax.adafactor`, no momentum) and Adafactor
 with its `momentum=0.9` option, Muon (`optax.contrib.muon`), AdamPM (s = 8), SkewAdam
 (published tiers), SkewAdam with Adam's additive eps on every tier
-(`skewadam-adam-eps`) and `sj.ADAM_EPS_TIERS` (`skewadam-adam-eps-router-momentum`).
+(`skewadam-adam-eps`), `sj.ADAM_EPS_TIERS` (`skewadam-adam-eps-router-momentum`) and
+`sj.ADAM_ROUTER_TIERS` (`skewadam-router-adam-eps-momentum`).
 Each runs at every `--lrs` and every `--seeds`; Muon runs at every `--muon-lrs` instead
 (the lr of its orthogonalised matrices lives on another scale), its Adam branch
 (embeddings, norms, router) at `--muon-adam-lr`.
@@ -74,7 +75,8 @@ from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
 
 SWEEP_OPTIMIZERS = ('adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
-                    'skewadam', 'skewadam-adam-eps', 'skewadam-adam-eps-router-momentum')
+                    'skewadam', 'skewadam-adam-eps', 'skewadam-adam-eps-router-momentum',
+                    'skewadam-router-adam-eps-momentum')
 LRS = (3e-4, 1e-3, 3e-3)
 # Muon's conventional 0.02 in the middle; a factor 2 either side.
 MUON_LRS = (0.01, 0.02, 0.04)
@@ -481,7 +483,8 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
               f'{muon["hyperparameters"].get("adam_lr")}.', '']
   names = ', '.join(f'`{r["optimizer"]}`' for r in rows)
   lines += [f'SkewAdam policies: `skewadam` is `sj.PUBLISHED_TIERS`, '
-            '`skewadam-adam-eps-router-momentum` is `sj.ADAM_EPS_TIERS`; every name '
+            '`skewadam-adam-eps-router-momentum` is `sj.ADAM_EPS_TIERS`, '
+            '`skewadam-router-adam-eps-momentum` is `sj.ADAM_ROUTER_TIERS`; every name '
             f'({names}) is defined in examples/moe_lm/optimizers.py.', '']
   lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
   body = []
@@ -490,7 +493,8 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
     for lr, v in row['per_lr'].items():
       text = f'{lr}: {_pm(v["mean"], v["std"], v["n"])}'
       cells.append(f'**{text}**' if float(lr) == row['best_lr'] else text)
-    edge = 'yes: extend the grid' if row['best_at_edge'] else 'no'
+    edge = ('yes: extend the grid' if row['best_at_edge'] else
+            'no' if len(row['per_lr']) > 1 else 'one lr only: not swept')
     body.append([row['optimizer'], ' · '.join(cells), edge])
   lines.append(_common.markdown_table(['optimizer', 'lr: loss (seeds)', 'best at the edge'],
                                       body, align='llr'))

@@ -14,6 +14,7 @@ from skewadam_jax._tiered import scale_by_tiered_adam
 # Tier configuration: the published policy, ours, and how to change or add a tier.
 from skewadam_jax._tiered import PUBLISHED_TIERS
 from skewadam_jax._tiered import ADAM_EPS_TIERS
+from skewadam_jax._tiered import ADAM_ROUTER_TIERS
 from skewadam_jax._tiered import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
 from skewadam_jax._grouped import GroupedSecondMomentState
@@ -52,6 +53,7 @@ __version__ = '0.1.0'
 
 __all__ = (
     'ADAM_EPS_TIERS',
+    'ADAM_ROUTER_TIERS',
     'DEFAULT_RULES',
     'Exact',
     'Factored',

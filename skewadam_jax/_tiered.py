@@ -5,9 +5,12 @@ A tier chooses momentum (on/off and its dtype), a second-moment estimator (`exac
 clip of the update, how `eps` enters, and whether weight decay applies.
 `PUBLISHED_TIERS` is the policy of the SkewAdam paper: the dense backbone keeps
 momentum and a factored second moment, the expert bank only a factored second moment
-per expert, the router an exact one. `ADAM_EPS_TIERS` is ours: the same tiers with
-Adam's additive eps and an fp32 router momentum, which train well at AdamW's own
-learning rate (the published floor wants a larger one) for 2% more state. Each
+per expert, the router an exact one. Two policies are ours. `ADAM_EPS_TIERS`: the same
+tiers with Adam's additive eps and an fp32 router momentum, which train well at AdamW's
+own learning rate (the published floor wants a larger one) for 2% more state.
+`ADAM_ROUTER_TIERS`: the published backbone and experts with that router alone, at the
+published tiers' learning rate, for a router that spreads its tokens over every expert
+sooner. Each
 estimator lives in its own module (`_exact`, `_factored`, `_grouped`); this one only
 composes them.
 """
@@ -131,6 +134,16 @@ ADAM_EPS_TIERS: Mapping[str, Tier] = {
     'experts': Tier(momentum=False, second_moment='factored', eps_mode='adam'),
     'router': Tier(momentum=True, second_moment='exact', eps_mode='adam',
                    weight_decay=False),
+}
+
+# The published floor slows the router most: its gradients are the smallest, and while
+# the router weights are small, noise-free top-k leaves many experts without tokens. An
+# Adam router (additive eps, fp32 momentum) on the published backbone and experts keeps
+# the published lr and ends that dead-expert phase sooner, for one router-sized buffer.
+ADAM_ROUTER_TIERS: Mapping[str, Tier] = {
+    'backbone': PUBLISHED_TIERS['backbone'],
+    'experts': PUBLISHED_TIERS['experts'],
+    'router': PUBLISHED_TIERS['router'].replace(momentum=True, eps_mode='adam'),
 }
 
 

@@ -40,7 +40,8 @@ def test_default_sweep_covers_the_requested_optimizers():
   args = quality.parse_args([])
   assert args.optimizers == ['adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
                              'skewadam', 'skewadam-adam-eps',
-                             'skewadam-adam-eps-router-momentum']
+                             'skewadam-adam-eps-router-momentum',
+                             'skewadam-router-adam-eps-momentum']
   assert (args.lrs, args.steps) == ([3e-4, 1e-3, 3e-3], 2000)
 
 
@@ -109,7 +110,8 @@ def _fake_record(optimizer: str, lr: float, seed: int, loss: float, steps: int =
                  'eval_every': 50, 'eval_batches': 2},
       'optimizer': {'optimizer': optimizer, 'lr': lr},
       'final': {'loss': loss}, 'evals': evals, 'router': router,
-      'memory': {'total_state_bytes': {'adamw': 1000, 'skewadam': 100}[optimizer]},
+      'memory': {'total_state_bytes': {'adamw': 1000, 'skewadam': 100,
+                                         'adampm': 500}[optimizer]},
       'timing': {'wall_s': 10.0, 'tokens_per_s': 5000.0 + seed, 'tokens_per_step': 256},
       'machine': {'cpu_count': 2, 'platform': 'test', 'jax': '0', 'optax': '0', 'flax': '0'},
       'data': 'fake',
@@ -118,7 +120,8 @@ def _fake_record(optimizer: str, lr: float, seed: int, loss: float, steps: int =
 
 def test_report_picks_the_best_lr_by_the_mean_over_seeds(tmp_path):
   losses = {('adamw', 1e-3): (2.0, 2.2), ('adamw', 3e-3): (2.05, 2.07),
-            ('skewadam', 1e-3): (1.9, 1.95), ('skewadam', 3e-3): (2.5, 2.6)}
+            ('skewadam', 1e-3): (1.9, 1.95), ('skewadam', 3e-3): (2.5, 2.6),
+            ('adampm', 1e-3): (2.1, 2.2)}
   for (name, lr), pair in losses.items():
     for seed, loss in enumerate(pair):
       r = _fake_record(name, lr, seed, loss)
@@ -153,6 +156,9 @@ def test_report_picks_the_best_lr_by_the_mean_over_seeds(tmp_path):
   assert ('| skewadam | 0.001 | 1.9250 ± 0.0354 (2) | -0.1350 (-6.55%) | '
           f'{gaps.mean():+.2f}% ± {pg["se_pct"]:.2f}% (2) | 100 |') in text
   assert 'yes: extend the grid' in text
+  # One lr is no sweep: its best is not called "not at the edge".
+  assert not rows['adampm']['best_at_edge']
+  assert '| adampm | **0.001: 2.1500 ± 0.0707 (2)** | one lr only: not swept |' in text
   assert (tmp_path / 'memory_steps100.png').read_bytes()[:8] == PNG
 
 

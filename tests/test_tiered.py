@@ -89,6 +89,34 @@ def test_adam_eps_tiers_differ_from_published_only_in_eps_and_router_momentum():
   assert router > 0 and adam_eps == published + router
 
 
+def test_adam_router_tiers_match_reference_over_30_steps():
+  wd = 0.1
+  policy = dict(PUBLISHED_REF, router=dict(momentum=True, second_moment='exact',
+                                           eps_mode='adam'))
+  expected, rules = _ref_run(lambda k: policy[_tier_of(k)], wd=wd,
+                             decay=lambda k: _tier_of(k) != 'router')
+  got, _ = run_optax(sj.skewadam(LR, weight_decay=wd, tiers=sj.ADAM_ROUTER_TIERS),
+                     init_params(), make_grads_fn(), STEPS)
+  worst = max(np.max(np.abs(got[k] - expected[k])) for k in expected)
+  assert worst <= 1e-5, worst
+  # The trajectory exercises the floor the backbone and experts keep.
+  assert sum(r.floored for k, r in rules.items() if _tier_of(k) != 'router') > 0
+  start = init_params()
+  assert min(np.max(np.abs(got[k] - start[k])) for k in start) > 1e-3
+
+
+def test_adam_router_tiers_differ_from_published_only_in_the_router():
+  assert sj.ADAM_ROUTER_TIERS['backbone'] == sj.PUBLISHED_TIERS['backbone']
+  assert sj.ADAM_ROUTER_TIERS['experts'] == sj.PUBLISHED_TIERS['experts']
+  assert sj.ADAM_ROUTER_TIERS['router'] == sj.ADAM_EPS_TIERS['router']
+  params = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in init_params().items()}
+  published = sj.memory_report(nest(params), sj.skewadam(1e-3)).total_state_bytes
+  adam_router = sj.memory_report(
+      nest(params), sj.skewadam(1e-3, tiers=sj.ADAM_ROUTER_TIERS)).total_state_bytes
+  router = sum(v.size * 4 for k, v in params.items() if _tier_of(k) == 'router')
+  assert router > 0 and adam_router == published + router
+
+
 # A smaller tree for the option grid: stacked odd experts, a matrix with tiny
 # gradients, a 1-D leaf of odd length and a scalar.
 SMALL_LEAVES = {k: MOE_LEAVES[k] for k in (

@@ -21,7 +21,8 @@ warmup + cosine learning-rate schedule. Names:
   experts and the router only; the backbone keeps the published floor.
 * `skewadam-router-adam-eps`: the published backbone and experts (eps floor); the
   router alone takes Adam's additive eps.
-* `skewadam-router-adam-eps-momentum`: the same, and the router keeps an fp32 momentum.
+* `skewadam-router-adam-eps-momentum`: the same, and the router keeps an fp32 momentum
+  (`sj.ADAM_ROUTER_TIERS`).
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
   pooled along the second-to-last axis: the input axis of `[in, out]` kernels and
   `[E, in, out]` expert banks; 1-D leaves along their only axis), `adafactor`
@@ -87,8 +88,8 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   # keep the published backbone and experts and change the router alone.
   if name == 'skewadam-router-adam-eps':
     return dict(pub, router=pub['router'].replace(eps_mode='adam'))
-  if name == 'skewadam-router-adam-eps-momentum':
-    return dict(pub, router=pub['router'].replace(eps_mode='adam', momentum=True))
+  if name == 'skewadam-router-adam-eps-momentum':  # the shipped `sj.ADAM_ROUTER_TIERS`
+    return dict(sj.ADAM_ROUTER_TIERS)
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':

@@ -72,6 +72,8 @@ def skewadam(
     eps: floor on the second moment (or Adam's eps for tiers with `eps_mode='adam'`).
     weight_decay: decoupled weight decay rate (applied to tiers with `weight_decay`).
     tiers: tier name -> `Tier`; default `PUBLISHED_TIERS` (backbone/experts/router).
+      Ours: `ADAM_ROUTER_TIERS` (an Adam router, which keeps every expert in use) and
+      `ADAM_EPS_TIERS` (additive eps everywhere, for AdamW's learning rate).
     param_labels: a pytree of tier names matching the params, or a function of the
       params returning one; default `moe_param_labels`. A function is called on the
       params at `init` and on the updates at `update`, so it must label both alike.

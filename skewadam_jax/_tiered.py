@@ -10,9 +10,8 @@ tiers with Adam's additive eps and an fp32 router momentum, which train well at 
 own learning rate (the published floor wants a larger one) for 2% more state.
 `ADAM_ROUTER_TIERS`: the published backbone and experts with that router alone, at the
 published tiers' learning rate, for a router that spreads its tokens over every expert
-sooner. Each
-estimator lives in its own module (`_exact`, `_factored`, `_grouped`); this one only
-composes them.
+sooner. Each estimator lives in its own module (`_exact`, `_factored`, `_grouped`); this
+one only composes them.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ SLICED = [f for f in FILES if f.stem != 'maxtext_mixtral_scan_linen' and any(
     for leaf in _record(f)['leaves'])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('record', [_record(f) for f in SLICED], ids=[f.stem for f in SLICED])
 def test_one_slice_scaled_by_1000_moves_no_other_slice(record):
   """Every leaf with batch axes: scale slice 0 along one batch axis of the gradient by

@@ -25,6 +25,9 @@ SCRIPTS = (
     'gpu_compile', 'memory', 'peak_memory', 'quality', 'step_time',
 )
 
+# Example runs: the slow tier (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope='module')
 def modules() -> dict[str, ModuleType]:

@@ -315,6 +315,7 @@ def test_axis_names_only_confirm_in_a_labeler_function():
   assert 'use_axis_names=True' in message
 
 
+@pytest.mark.slow
 def test_label_tree_from_axis_names_trains_with_nnx_optimizer():
   model = _NamedBank(nnx.Rngs(0))
   with warnings.catch_warnings():

@@ -106,6 +106,7 @@ def test_routing_picks_distinct_top_experts():
   np.testing.assert_allclose(weights, top / top.sum(-1, keepdims=True), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_aux_loss_is_at_floor_under_uniform_routing():
   # Zero router weights and no noise: every token sees probability 1/E for every expert.
   cfg = moe_model.get_config('tiny')
@@ -174,6 +175,7 @@ def test_load_health_per_layer_and_dead_threshold():
   assert 0 < health['load_entropy_ratio'][1] < 1
 
 
+@pytest.mark.slow
 def test_moe_stats_report_top1_prob_and_router_norm():
   cfg = moe_model.get_config('tiny')
   layer = moe_model.MoE(cfg, rngs=nnx.Rngs(0))
@@ -243,6 +245,7 @@ def test_router_noise_only_in_training():
   assert np.all(np.asarray(stats_a['token_frac']) > 0)
 
 
+@pytest.mark.slow
 def test_bf16_model_keeps_norms_and_router_fp32():
   cfg = moe_model.get_config('tiny', param_dtype='bfloat16')
   model = moe_model.MoELM(cfg, rngs=nnx.Rngs(0))
@@ -308,6 +311,7 @@ def test_any_directory_with_suffixes(tmp_path):
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_short_adam_run_lowers_loss(stdlib_data):
   cfg = moe_model.get_config('tiny')
   model = moe_model.MoELM(cfg, rngs=nnx.Rngs(0))

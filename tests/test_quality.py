@@ -67,6 +67,7 @@ TINY = ['--preset', 'tiny', '--steps', '4', '--lrs', '1e-3', '--seeds', '0',
         '--eval-batches', '1']
 
 
+@pytest.mark.slow
 def test_sweep_writes_one_json_per_run_skips_them_next_time_and_reports(tmp_path, capsys):
   argv = TINY + ['--out', str(tmp_path)]
   quality.main(argv)

@@ -22,6 +22,9 @@ from examples.moe_lm import model as model_lib  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
 
+# Example runs: the slow tier (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope='module')
 def tiny_run(tmp_path_factory):

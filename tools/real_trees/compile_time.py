@@ -3,8 +3,8 @@
 Run inside the virtualenv of ONE library (see README.md beside this file), from the
 repository root, after `<venv>/bin/pip install --no-deps -e .`:
 
-    /work/venvs/easydel/bin/python tools/real_trees/compile_time.py --library easydel
-    /work/venvs/maxtext/bin/python tools/real_trees/compile_time.py --library maxtext
+    $VENVS/easydel/bin/python tools/real_trees/compile_time.py --library easydel
+    $VENVS/maxtext/bin/python tools/real_trees/compile_time.py --library maxtext
     python tools/real_trees/compile_time.py --merge       # one table from all JSONs in --out
 
 Options: --models a,b (record.py names), --steps train,update (or '' for none),

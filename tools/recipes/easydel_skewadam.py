@@ -1,6 +1,6 @@
 """SkewAdam on an EasyDeL Mixtral (tiny config, CPU): labels, state bytes, a few steps.
 
-Run with the EasyDeL venv:  /work/venvs/easydel/bin/python tools/recipes/easydel_skewadam.py
+Run with the EasyDeL venv:  $VENVS/easydel/bin/python tools/recipes/easydel_skewadam.py
 """
 import os
 

@@ -1,8 +1,8 @@
 """SkewAdam in MaxText through its optimizer factory (tiny scanned Mixtral, CPU).
 
 Run with the MaxText venv:
-  /work/venvs/maxtext/bin/python tools/recipes/maxtext_skewadam.py          # labels, bytes, steps
-  /work/venvs/maxtext/bin/python tools/recipes/maxtext_skewadam.py --train  # its train.main,
+  $VENVS/maxtext/bin/python tools/recipes/maxtext_skewadam.py          # labels, bytes, steps
+  $VENVS/maxtext/bin/python tools/recipes/maxtext_skewadam.py --train  # its train.main,
                                                                             # 10 steps
 
 MaxText builds its optimizer in maxtext.optimizers.optimizers.get_optimizer(config,

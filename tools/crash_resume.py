@@ -1,0 +1,383 @@
+"""Kills checkpointed training runs with SIGKILL at random moments and checks the resume.
+
+For each example (`examples/moe_lm/train.py --preset tiny` and `examples/sharded_moe.py`
+on 8 simulated CPU devices) it first trains once without interruption, then runs the
+same command again in a fresh checkpoint directory, kills it with SIGKILL and restarts
+it with the same command until it finishes, over and over until `--kills` kills are
+done. The kill moments are drawn among:
+
+* `save`: just after the run prints that an (asynchronous) save started, after a random
+  delay of 0-150 ms, so mostly while Orbax is still writing the step's temporary
+  directory (whether it was, is recorded: a `*.orbax-checkpoint-tmp*` directory present
+  at the moment of the kill);
+* `between`: 0-400 ms after a save completed, while the next steps train;
+* `random`: a random time after the launch (also during start-up and compilation);
+* `corrupt`: as `between`, then a byte-flip or a truncation of an array file of the
+  newest step, which the restart must detect and skip.
+
+Every run prints a sha256 of params + optimizer state at each save and restore
+(`--ckpt-fingerprints`): a restore whose fingerprint is not the uninterrupted run's at
+that step would be a resume from a partial or damaged checkpoint (counted, must be 0),
+and the final fingerprint must equal the uninterrupted run's (bitwise equal params and
+state). Steps lost per kill: the furthest step the killed process reached (its progress
+output, a lower bound) minus the step the restart resumed from.
+
+  taskset -c 1 python tools/crash_resume.py --kills 20          # both examples
+  taskset -c 1 python tools/crash_resume.py --target moe_lm --kills 3 --out /tmp/crash
+
+Writes `<out>/crash_resume.json` and `<out>/crash_resume.md` (the table also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+import queue
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from examples import _cli  # noqa: E402
+from examples import checkpointing  # noqa: E402
+
+MODES = ('save', 'between', 'random', 'corrupt')
+LAUNCH_TIMEOUT_S = 600
+FP_RE = re.compile(r'checkpoint: step (\d+) fingerprint (\w+)')
+RESTORED_RE = re.compile(r'checkpoint: restored step (\d+) fingerprint (\w+)')
+SAVING_RE = re.compile(r'checkpoint: saving step (\d+)')
+COMPLETE_RE = re.compile(r'checkpoint: step (\d+) complete')
+DAMAGED_RE = re.compile(r'checkpoint: step (\d+) in .* is (damaged|incomplete)')
+PROGRESS_RE = re.compile(r'(\d+)/(\d+) \[')  # tqdm
+STEP_RE = re.compile(r'^step\s+(\d+)\s+loss')  # sharded_moe.py
+
+
+def command(target: str, args: argparse.Namespace, ckpt: Path, data: Path, out: Path
+            ) -> list[str]:
+  """The training command of `target`, checkpointing to `ckpt`."""
+  common = ['--steps', str(args.steps), '--ckpt-dir', str(ckpt), '--ckpt-every',
+            str(args.every), '--ckpt-fingerprints', '--data-dir', str(data),
+            '--seed', str(args.seed)]
+  if target == 'moe_lm':
+    return [sys.executable, 'examples/moe_lm/train.py', '--preset', 'tiny', '--batch-size',
+            '4', '--eval-every', str(args.steps), '--eval-batches', '1', '--out', str(out),
+            *common]
+  return [sys.executable, 'examples/sharded_moe.py', '--preset', 'tiny', '--batch-size', '8',
+          *common]
+
+
+@dataclasses.dataclass
+class Launch:
+  """What one process printed and how it ended."""
+  mode: Optional[str]
+  killed: bool = False
+  returncode: Optional[int] = None
+  during_save: bool = False  # a temporary step directory existed when it was killed
+  reached: int = 0  # furthest step seen in its output
+  restored: Optional[tuple[int, str]] = None
+  skipped: list[int] = dataclasses.field(default_factory=list)
+  fingerprints: dict[int, str] = dataclasses.field(default_factory=dict)
+  corrupted: Optional[str] = None
+  seconds: float = 0.0
+  tail: list[str] = dataclasses.field(default_factory=list)
+
+
+def _reader(stream: Any, lines: queue.Queue) -> None:
+  buf = b''
+  while True:
+    chunk = stream.read1(4096) if hasattr(stream, 'read1') else stream.read(4096)
+    if not chunk:
+      break
+    buf += chunk
+    parts = re.split(rb'[\r\n]', buf)
+    buf = parts.pop()
+    for p in parts:
+      lines.put(p.decode(errors='replace'))
+  if buf:
+    lines.put(buf.decode(errors='replace'))
+  lines.put(None)
+
+
+def _tmp_dirs(ckpt: Path) -> list[Path]:
+  return list(ckpt.glob('*.orbax-checkpoint-tmp*')) if ckpt.exists() else []
+
+
+def _parse(launch: Launch, line: str) -> None:
+  launch.tail = (launch.tail + [line])[-40:]
+  if m := FP_RE.search(line):
+    launch.fingerprints[int(m[1])] = m[2]
+    launch.reached = max(launch.reached, int(m[1]))
+  if m := RESTORED_RE.search(line):
+    launch.restored = (int(m[1]), m[2])
+    launch.reached = max(launch.reached, int(m[1]))
+  if m := DAMAGED_RE.search(line):
+    launch.skipped.append(int(m[1]))
+  if m := PROGRESS_RE.search(line):
+    launch.reached = max(launch.reached, int(m[1]))
+  if m := STEP_RE.search(line.strip()):
+    launch.reached = max(launch.reached, int(m[1]))
+
+
+def run_once(cmd: list[str], env: dict[str, str], ckpt: Path, mode: Optional[str],
+             rng: random.Random, expected_s: float) -> Launch:
+  """Runs `cmd`; with a `mode`, kills it with SIGKILL at a moment of that kind."""
+  launch = Launch(mode)
+  t0 = time.monotonic()
+  proc = subprocess.Popen(cmd, cwd=env['CRASH_RESUME_REPO'], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+  lines: queue.Queue = queue.Queue()
+  threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+  events = rng.randint(1, 2)  # kill at the first or second event of the mode's kind
+  kill_at = t0 + rng.uniform(0.0, expected_s) if mode == 'random' else None
+  seen = 0
+  try:
+    while True:
+      if kill_at is not None and time.monotonic() >= kill_at:
+        break
+      try:
+        line = lines.get(timeout=0.01)
+      except queue.Empty:
+        if time.monotonic() - t0 > LAUNCH_TIMEOUT_S:
+          raise RuntimeError(
+              f'{cmd} ran over {LAUNCH_TIMEOUT_S} s:\n' + '\n'.join(launch.tail)) from None
+        continue
+      if line is None:  # the process ended by itself
+        break
+      _parse(launch, line)
+      if mode == 'save' and SAVING_RE.search(line):
+        seen += 1
+        if seen == events:
+          kill_at = time.monotonic() + rng.uniform(0.0, 0.15)
+      elif mode in ('between', 'corrupt') and COMPLETE_RE.search(line):
+        seen += 1
+        if seen == events:
+          kill_at = time.monotonic() + rng.uniform(0.0, 0.4)
+    if mode is not None and proc.poll() is None:
+      launch.during_save = bool(_tmp_dirs(ckpt))
+      proc.send_signal(signal.SIGKILL)
+      launch.killed = True
+  finally:
+    proc.wait()
+  while True:  # what it printed before it died
+    try:
+      line = lines.get(timeout=1.0)
+    except queue.Empty:
+      break
+    if line is None:
+      break
+    _parse(launch, line)
+  launch.returncode = proc.returncode
+  launch.seconds = time.monotonic() - t0
+  if launch.killed and mode == 'corrupt':
+    launch.corrupted = corrupt_newest(ckpt, rng)
+  return launch
+
+
+def corrupt_newest(ckpt: Path, rng: random.Random) -> Optional[str]:
+  """Truncates or flips bytes of the largest array file of the newest complete step.
+
+  Only when an older complete step is there to fall back to (with none, the restart
+  rightly stops with an error, which is tested elsewhere).
+  """
+  steps = sorted((int(p.name) for p in ckpt.iterdir()
+                  if p.name.isdigit() and (p / checkpointing.MANIFEST).exists()), reverse=True)
+  if len(steps) < 2:
+    return None
+  files = [p for p in (ckpt / str(steps[0]) / 'state').rglob('*')
+           if p.is_file() and '/d/' in p.as_posix()]
+  if not files:
+    return None
+  victim = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(victim.read_bytes())
+  if rng.random() < 0.5:
+    victim.write_bytes(bytes(data[:len(data) // 2]))
+    how = 'truncated'
+  else:
+    for i in rng.sample(range(len(data)), min(8, len(data))):
+      data[i] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    how = 'bytes flipped'
+  return f'step {steps[0]}: {victim.relative_to(ckpt)} {how}'
+
+
+def run_target(target: str, args: argparse.Namespace, work: Path, env: dict[str, str],
+               rng: random.Random) -> dict[str, Any]:
+  """The reference run, then killed-and-restarted episodes until `args.kills` kills."""
+  from tqdm.auto import tqdm
+
+  data = work / 'data'
+  for old in work.glob(f'{target}_*'):  # checkpoints of an earlier call
+    shutil.rmtree(old)
+  ref_ckpt = work / f'{target}_reference'
+  ref = run_once(command(target, args, ref_ckpt, data, work / 'out'), env, ref_ckpt, None,
+                 rng, 0.0)
+  if ref.returncode != 0 or args.steps not in ref.fingerprints:
+    raise RuntimeError(f'reference run of {target} failed:\n' + '\n'.join(ref.tail))
+  kills: list[dict[str, Any]] = []
+  episodes: list[dict[str, Any]] = []
+  bar = tqdm(total=args.kills, desc=f'{target} kills', dynamic_ncols=True)
+  while len(kills) < args.kills:
+    ckpt = work / f'{target}_episode{len(episodes)}'
+    cmd = command(target, args, ckpt, data, work / 'out')
+    launches: list[Launch] = []
+    while True:
+      mode = rng.choice(MODES) if len(kills) < args.kills else None
+      launch = run_once(cmd, env, ckpt, mode, rng, ref.seconds)
+      if launches and launches[-1].killed:  # the restart after a kill
+        prev = launches[-1]
+        resumed = launch.restored[0] if launch.restored else 0
+        kills[-1].update(resumed_from=resumed, steps_lost=max(0, prev.reached - resumed),
+                         skipped_on_restart=launch.skipped)
+      launches.append(launch)
+      if launch.killed:
+        kills.append({'episode': len(episodes), 'mode': mode, 'during_save': launch.during_save,
+                      'reached': launch.reached, 'corrupted': launch.corrupted,
+                      'after_s': round(launch.seconds, 2)})
+        bar.update(1)
+        continue
+      if launch.returncode != 0:
+        raise RuntimeError(f'{target} exited with {launch.returncode} without a kill:\n'
+                           + '\n'.join(launch.tail))
+      break
+    # Resumes whose state is not the uninterrupted run's at that step, and the steps
+    # each trained from it (up to where its process got).
+    partial, partial_steps = 0, 0
+    for launch in launches:
+      if launch.restored is None:
+        continue
+      step, fp = launch.restored
+      if ref.fingerprints.get(step) != fp:
+        partial += 1
+        partial_steps += max(launch.reached - step, 0)
+    final = next((la.fingerprints.get(args.steps) or (la.restored or (None, None))[1]
+                  for la in reversed(launches)
+                  if args.steps in la.fingerprints or la.restored), None)
+    episodes.append({
+        'launches': len(launches), 'kills': sum(la.killed for la in launches),
+        'resumes': sum(la.restored is not None for la in launches),
+        'partial_resumes': partial, 'steps_from_partial': partial_steps,
+        'final_fingerprint': final, 'bitwise_equal': final == ref.fingerprints[args.steps],
+        'seconds': round(sum(la.seconds for la in launches), 1)})
+  bar.close()
+  return {'target': target, 'command': command(target, args, Path('CKPT'), Path('DATA'),
+                                                Path('OUT')),
+          'reference_fingerprints': ref.fingerprints, 'reference_s': round(ref.seconds, 1),
+          'kills': kills, 'episodes': episodes, 'summary': summarize(kills, episodes)}
+
+
+def summarize(kills: list[dict[str, Any]], episodes: list[dict[str, Any]]) -> dict[str, Any]:
+  lost = [k['steps_lost'] for k in kills if 'steps_lost' in k]
+  corrupted = [k for k in kills if k['corrupted']]
+  return {
+      'kills': len(kills),
+      'kills_during_save': sum(k['during_save'] for k in kills),
+      'kills_by_mode': {m: sum(k['mode'] == m for k in kills) for m in MODES},
+      'corruptions': len(corrupted),
+      'corruptions_detected': sum(int(k['corrupted'].split()[1].rstrip(':'))
+                                  in k.get('skipped_on_restart', []) for k in corrupted),
+      'resumes': sum(e['resumes'] for e in episodes),
+      'episodes': len(episodes),
+      'steps_lost_mean': sum(lost) / len(lost) if lost else 0.0,
+      'steps_lost_max': max(lost, default=0),
+      'bitwise_equal': all(e['bitwise_equal'] for e in episodes),
+      'partial_resumes': sum(e['partial_resumes'] for e in episodes),
+      'steps_from_partial': sum(e['steps_from_partial'] for e in episodes),
+  }
+
+
+def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+  lines = [
+      f'SIGKILL at random moments, restart with the same command until done; {args.steps} '
+      f'steps, a checkpoint every {args.every} (async Orbax), seed {args.seed}.', '',
+      '| example | kills | during a save | corrupted after kill (detected) | resumes '
+      '| episodes | steps lost per kill (mean / max) | bitwise equal to uninterrupted '
+      '| resumes from a partial checkpoint | steps trained from one |',
+      '|---|---:|---:|---:|---:|---:|---:|---|---:|---:|']
+  for r in results:
+    s = r['summary']
+    lines.append(
+        f'| {r["target"]} | {s["kills"]} | {s["kills_during_save"]} | {s["corruptions"]} '
+        f'({s["corruptions_detected"]}) | {s["resumes"]} | {s["episodes"]} | '
+        f'{s["steps_lost_mean"]:.1f} / {s["steps_lost_max"]} | '
+        f'{"yes" if s["bitwise_equal"] else "NO"} | {s["partial_resumes"]} | '
+        f'{s["steps_from_partial"]} |')
+  lines += ['', 'Kills by moment: ' + '; '.join(
+      f'{r["target"]}: ' + ', '.join(f'{m} {n}' for m, n in r['summary']['kills_by_mode'].items())
+      for r in results) + '. "During a save": an Orbax temporary step directory existed '
+      'when the process was killed. Steps lost: furthest step in the killed process\'s '
+      'output (a lower bound) minus the step the restart resumed from.']
+  return '\n'.join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _cli.parser(__doc__.splitlines()[0])
+  _cli.option(p, '--target', default='both', choices=('both', 'moe_lm', 'sharded_moe'),
+              help='which example to kill')
+  _cli.option(p, '--kills', type=int, default=20, help='kills per example')
+  _cli.option(p, '--steps', type=int, default=40, help='training steps per run')
+  _cli.option(p, '--every', type=int, default=4, help='steps between checkpoints')
+  _cli.option(p, '--seed', type=int, default=0, help='training seed and kill schedule')
+  _cli.option(p, '--out', default='benchmarks/results', help='directory of the JSON and table')
+  _cli.option(p, '--work', default=None,
+              help='scratch directory (checkpoints, compile cache); unset: a temporary one')
+  return p
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+  args = build_parser().parse_args(argv)
+  if args.kills < 1 or args.steps < 2 or not 1 <= args.every < args.steps:
+    raise ValueError('need --kills >= 1, --steps >= 2 and 1 <= --every < --steps')
+  rng = random.Random(args.seed)
+  targets = ('moe_lm', 'sharded_moe') if args.target == 'both' else (args.target,)
+  with tempfile.TemporaryDirectory() as tmp:
+    work = Path(args.work or tmp)
+    work.mkdir(parents=True, exist_ok=True)
+    # The committed code (`git archive HEAD`), so that every launch runs the same code
+    # even while the working tree changes; the library's sources are also the corpus
+    # (small: fast to load).
+    repo = work / 'repo'
+    shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir()
+    archive = subprocess.run(['git', 'archive', 'HEAD', 'skewadam_jax', 'examples'], cwd=ROOT,
+                             check=True, capture_output=True).stdout
+    subprocess.run(['tar', '-x', '-C', str(repo)], input=archive, check=True)
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    data = work / 'data'
+    shutil.rmtree(data, ignore_errors=True)
+    shutil.copytree(repo / 'skewadam_jax', data)
+    env = dict(os.environ)
+    env.pop('XLA_FLAGS', None)
+    env['JAX_PLATFORMS'] = 'cpu'
+    # Restarts reuse the compiled steps: the same executables, so the same bits.
+    env['JAX_COMPILATION_CACHE_DIR'] = str(work / 'jax_cache')
+    env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+    env['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
+    env['PYTHONPATH'] = str(repo)
+    env['CRASH_RESUME_REPO'] = str(repo)
+    results = [run_target(t, args, work, env, rng) for t in targets]
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  md = table(results, args)
+  (out / 'crash_resume.json').write_text(json.dumps(
+      {'args': vars(args), 'commit': commit, 'results': results}, indent=1, default=str))
+  (out / 'crash_resume.md').write_text('# Crash and resume\n\n' + md + '\n')
+  print(md)
+  return results
+
+
+if __name__ == '__main__':
+  main()

@@ -15,6 +15,7 @@ from skewadam_jax._tiered import scale_by_tiered_adam
 from skewadam_jax._tiered import PUBLISHED_TIERS
 from skewadam_jax._tiered import ADAM_EPS_TIERS
 from skewadam_jax._tiered import ADAM_ROUTER_TIERS
+from skewadam_jax._tiered import MUON_TIERS
 from skewadam_jax._tiered import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
 from skewadam_jax._grouped import GroupedSecondMomentState
@@ -23,12 +24,14 @@ from skewadam_jax._tiered import TieredAdamState
 from skewadam_jax._exact import Exact
 from skewadam_jax._factored import Factored
 from skewadam_jax._grouped import Grouped
+from skewadam_jax._orthogonal import Orthogonal
 from skewadam_jax._second_moment import SecondMoment
 from skewadam_jax._second_moment import Step
 # Labels: which tier each parameter gets, and your own rules.
 from skewadam_jax._labels import DEFAULT_RULES
 from skewadam_jax._labels import make_labeler
 from skewadam_jax._labels import moe_param_labels
+from skewadam_jax._hidden import hidden_param_labels
 # Batch axes: which axes of each leaf index independent matrices (experts, layers).
 from skewadam_jax._axes import moe_batch_axes
 # Reports: what each leaf gets and costs, before training (nothing is allocated).
@@ -60,7 +63,9 @@ __all__ = (
     'Grouped',
     'GroupedSecondMomentState',
     'LeafReport',
+    'MUON_TIERS',
     'MemoryReport',
+    'Orthogonal',
     'PUBLISHED_TIERS',
     'SecondMoment',
     'Step',
@@ -71,6 +76,7 @@ __all__ = (
     'expand_groups',
     'format_label_table',
     'groupmean',
+    'hidden_param_labels',
     'label_table',
     'make_labeler',
     'memory_report',

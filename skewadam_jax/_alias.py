@@ -10,6 +10,7 @@ import optax
 from skewadam_jax import _axes
 from skewadam_jax import _checks
 from skewadam_jax import _grouped
+from skewadam_jax import _hidden
 from skewadam_jax import _labels
 from skewadam_jax import _tiered
 
@@ -34,7 +35,10 @@ def tier_labeler(tiers: Mapping[str, _tiered.Tier], param_labels: Any = None
   """A validating labeler: params -> full label tree whose labels all name a tier."""
 
   def labeler(params: Any) -> Any:
-    labels = _labels.resolve_labels(params, param_labels)
+    if param_labels is None and _hidden.HIDDEN_TIER in tiers:
+      labels = _hidden.hidden_param_labels(params)
+    else:
+      labels = _labels.resolve_labels(params, param_labels)
     return _labels.expand_labels(params, labels, tiers)
 
   return labeler
@@ -72,10 +76,12 @@ def skewadam(
     eps: floor on the second moment (or Adam's eps for tiers with `eps_mode='adam'`).
     weight_decay: decoupled weight decay rate (applied to tiers with `weight_decay`).
     tiers: tier name -> `Tier`; default `PUBLISHED_TIERS` (backbone/experts/router).
-      Ours: `ADAM_ROUTER_TIERS` (an Adam router, which keeps every expert in use) and
-      `ADAM_EPS_TIERS` (additive eps everywhere, for AdamW's learning rate).
+      Ours: `ADAM_ROUTER_TIERS` (an Adam router, which keeps every expert in use),
+      `ADAM_EPS_TIERS` (additive eps everywhere, for AdamW's learning rate) and
+      `MUON_TIERS` (Muon's orthogonalised momentum on the hidden matrices).
     param_labels: a pytree of tier names matching the params, or a function of the
-      params returning one; default `moe_param_labels`. A function is called on the
+      params returning one; default `moe_param_labels` (`hidden_param_labels` when
+      `tiers` has a `'hidden'` tier, as `MUON_TIERS` does). A function is called on the
       params at `init` and on the updates at `update`, so it must label both alike.
     batch_axes: each leaf's batch axes, the axes that index independent matrices (the
       expert axis, a scanned layer axis, wherever it sits): a tree of int tuples

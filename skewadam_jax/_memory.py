@@ -16,6 +16,7 @@ import optax
 
 from skewadam_jax import _axes
 from skewadam_jax import _checks
+from skewadam_jax import _hidden
 from skewadam_jax import _labels
 from skewadam_jax import _metadata
 from skewadam_jax import _tiered
@@ -186,7 +187,8 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
   Args:
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s (Flax states too).
     tiers: tier name -> `Tier`; default `PUBLISHED_TIERS`.
-    param_labels: a label tree or labeler function; default `moe_param_labels`.
+    param_labels: a label tree or labeler function; default `moe_param_labels`
+      (`hidden_param_labels` when `tiers` has a `'hidden'` tier, as in `skewadam`).
     batch_axes: a tree of int tuples or a function returning one, as in `skewadam`;
       default `moe_batch_axes`.
 
@@ -195,6 +197,8 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
   """
   tiers = dict(_tiered.PUBLISHED_TIERS if tiers is None else tiers)
   labels, notes = _labels.labels_and_notes(params, param_labels)
+  if param_labels is None and _hidden.HIDDEN_TIER in tiers:
+    labels = _hidden.hidden_param_labels(params, labels)
   labels = _labels.expand_labels(params, labels, tiers)
   leaves, treedef = _tree.flatten_with_paths(params)
   axes, _ = _axes.batch_axes_and_notes(params, labels, batch_axes)

@@ -29,10 +29,11 @@ from skewadam_jax import _exact
 from skewadam_jax import _factored
 from skewadam_jax import _grouped
 from skewadam_jax import _metadata
+from skewadam_jax import _orthogonal
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 
-SECOND_MOMENTS = ('exact', 'factored', 'grouped')
+SECOND_MOMENTS = ('exact', 'factored', 'grouped', 'orthogonal')
 EPS_MODES = ('floor', 'adam')
 
 
@@ -45,8 +46,10 @@ class Tier:
     mu_dtype: dtype the first moment is stored in (float32 as published).
     second_moment: `'factored'` (row/column statistics for leaves with ndim >= 2,
       per matrix over the batch axes; exact for < 2 non-batch axes), `'exact'` (Adam's full
-      second moment), `'grouped'` (AdamPM pooling over `group_size` neighbours), or an
-      estimator object (a `skewadam_jax.SecondMoment`, e.g. one of your own).
+      second moment), `'grouped'` (AdamPM pooling over `group_size` neighbours),
+      `'orthogonal'` (no statistics: each matrix orthogonalised as in Muon, see
+      `sj.Orthogonal`), or an estimator object (a `skewadam_jax.SecondMoment`, e.g. one
+      of your own).
     group_size: group size of the `'grouped'` estimator.
     group_axis: axis the `'grouped'` estimator pools along.
     clip_threshold: RMS clip of the update (per slice of the batch axes, i.e. per
@@ -54,6 +57,11 @@ class Tier:
     eps_mode: `'floor'` (as published: `eps` floors the uncorrected second moment
       inside the square root) or `'adam'` (`u = m_hat / (sqrt(v_hat) + eps)`).
     weight_decay: whether decoupled weight decay applies to this tier.
+    nesterov: with momentum, the numerator is optax's Nesterov form (as in
+      `optax.adam(nesterov=True)` and `optax.contrib.muon`) instead of `m / bc1`:
+      `x = b1 m / (1 - b1^(t+1)) + (1 - b1) g / bc1`.
+    b1: this tier's momentum decay rate, or None for the transform's `b1` (Muon's
+      tiers use 0.95 beside Adam's 0.9).
 
   Memory: every estimator keeps the step free of full-size temporaries except in one
   case, a `'grouped'` tier with momentum and a clip whose groups do not divide the
@@ -70,6 +78,8 @@ class Tier:
   clip_threshold: Optional[float] = 1.0
   eps_mode: str = 'floor'
   weight_decay: bool = True
+  nesterov: bool = False
+  b1: Optional[float] = None
 
   def __post_init__(self):
     if not isinstance(self.momentum, bool):
@@ -96,6 +106,15 @@ class Tier:
     _checks.check_choice('eps_mode', self.eps_mode, EPS_MODES)
     if not isinstance(self.weight_decay, bool):
       raise TypeError(f'`weight_decay` must be a bool, got {self.weight_decay!r}.')
+    if not isinstance(self.nesterov, bool):
+      raise TypeError(f'`nesterov` must be a bool, got {self.nesterov!r}.')
+    if self.nesterov and not self.momentum:
+      raise ValueError('`nesterov=True` needs `momentum=True`: Nesterov momentum is a rule '
+                       'of the first moment, which this tier does not keep.')
+    if self.b1 is not None:
+      if not _checks.is_concrete_number(self.b1):
+        raise TypeError(f'`b1` of a Tier must be a float in [0, 1) or None, got {self.b1!r}.')
+      _checks.check_beta('b1', self.b1)
 
   def replace(self, **changes: Any) -> Tier:
     """A copy of this tier with some options changed."""
@@ -114,7 +133,8 @@ class Tier:
       return self.second_moment
     if self.second_moment == 'grouped':
       return _grouped.Grouped(self.group_size, self.group_axis, axis_arg='group_axis')
-    return {'exact': _exact.EXACT, 'factored': _factored.FACTORED}[self.second_moment]
+    return {'exact': _exact.EXACT, 'factored': _factored.FACTORED,
+            'orthogonal': _orthogonal.ORTHOGONAL}[self.second_moment]
 
 
 PUBLISHED_TIERS: Mapping[str, Tier] = {
@@ -143,6 +163,23 @@ ADAM_ROUTER_TIERS: Mapping[str, Tier] = {
     'backbone': PUBLISHED_TIERS['backbone'],
     'experts': PUBLISHED_TIERS['experts'],
     'router': PUBLISHED_TIERS['router'].replace(momentum=True, eps_mode='adam'),
+}
+
+
+# Muon (Jordan et al. 2024) on the backbone's hidden matrices: the fp32 momentum the
+# published backbone already keeps is exactly Muon's state, and orthogonalising it
+# replaces the factored second moment (no statistics). Nesterov and b1 = 0.95 as in
+# Muon; the update RMS is matched to Adam's (0.2), so one learning rate serves every
+# tier. Embeddings, heads and norms keep the published backbone tier, the experts the
+# published expert tier, the router the Adam router of ADAM_ROUTER_TIERS. The tier
+# names: `hidden_param_labels` labels the hidden matrices `hidden`, and `skewadam` uses
+# it when the tiers have a `hidden` tier.
+MUON_TIERS: Mapping[str, Tier] = {
+    'backbone': PUBLISHED_TIERS['backbone'],
+    'hidden': Tier(momentum=True, nesterov=True, b1=0.95, second_moment='orthogonal',
+                   clip_threshold=None),
+    'experts': PUBLISHED_TIERS['experts'],
+    'router': ADAM_ROUTER_TIERS['router'],
 }
 
 
@@ -280,6 +317,8 @@ def scale_by_tiered_adam(
                     f'{tier!r}; build one with sj.Tier(...) or pass tier options as keywords.')
   tier = (tier or Tier()).replace(**tier_options)
   _checks.check_beta('b1', b1)
+  if tier.b1 is not None:
+    b1 = tier.b1
   _checks.check_beta('b2', b2)
   _checks.check_non_negative('eps', eps)
 
@@ -306,11 +345,17 @@ def scale_by_tiered_adam(
 
     return {k: _metadata.rename_boxes(params, v, names_for(k)) for k, v in fields.items()}
 
-  def update_leaf(path, g, mu, stats, bc1, bc2, axes):
+  def update_leaf(path, g, mu, stats, count, bc1, bc2, axes):
     # Every full-size array below is either an input, a state output or computed inside
     # the one fused pass that also applies the update: statistics come from reductions
     # over the stored arrays, and nothing of the leaf's size is materialised in between.
-    if tier.momentum:
+    if tier.momentum and tier.nesterov:
+      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
+      # optax's Nesterov form: the momentum corrected one step ahead, plus the gradient.
+      bc1_next = 1.0 - jnp.asarray(b1, jnp.float32) ** (count + 1).astype(jnp.float32)
+      x = b1 / bc1_next * mu.astype(jnp.float32) + (1.0 - b1) / bc1 * g.astype(jnp.float32)
+      num_scale = 1.0
+    elif tier.momentum:
       mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
       x = mu  # the stored (cast) momentum: no defensive copy of the uncast one
       num_scale = 1.0 / bc1
@@ -340,7 +385,7 @@ def scale_by_tiered_adam(
     bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
     bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
     axes = leaf_batch_axes(batch_axes, updates, [path for path, _ in leaves])
-    out = [update_leaf(path, g, mu, s, bc1, bc2, a)
+    out = [update_leaf(path, g, mu, s, count, bc1, bc2, a)
            for (path, g), mu, s, a in zip(leaves, mus, stats, axes)]
     fields = {k: treedef.unflatten([o[2][k] for o in out]) for k in _second_moment.STAT_FIELDS}
     fields = _named_fields(updates, [path for path, _ in leaves], axes, fields)

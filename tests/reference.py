@@ -172,3 +172,69 @@ def ref_train(params: dict, grads_fn, make_rule, steps: int, lr: float, wd: floa
       w = wd if (decay is None or decay.get(k, True)) else 0.0
       params[k] = params[k] - lr * (u + w * params[k])
   return params
+
+
+def ref_newton_schulz(x: np.ndarray, coeffs=(3.4445, -4.7750, 2.0315), steps: int = 5,
+                      eps: float = 1e-8) -> np.ndarray:
+  """Muon's quintic Newton-Schulz iteration on one matrix, in float64.
+
+  X = x / (||x||_F + eps); then `steps` times X <- a X + (b A + c A^2) X with A = X X^T,
+  run on x^T (and transposed back) when x has more rows than columns.
+  """
+  a, b, c = coeffs
+  x = np.asarray(x, np.float64)
+  tall = x.shape[0] > x.shape[1]
+  if tall:
+    x = x.T
+  x = x / (np.sqrt((x * x).sum()) + eps)
+  for _ in range(steps):
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x.T if tall else x
+
+
+class RefOrthogonalTier:
+  """A tier with an orthogonalised update (docs/update-rules.md, "Orthogonal") on one leaf.
+
+  Momentum (optionally optax's Nesterov form), then each matrix of the batch axes'
+  slices (the last non-batch axis its columns, the other non-batch axes its rows)
+  orthogonalised by `ref_newton_schulz` and scaled by `rms_scale * sqrt(max(R, C))`
+  (or `sqrt(max(1, C / R))` when `rms_scale` is None). Leaves with fewer than two
+  non-batch axes are not handled here (the library gives them a fallback).
+  """
+
+  def __init__(self, shape, *, momentum=True, nesterov=False, b1=0.9, rms_scale=0.2,
+               batch_axes=None, ns_steps=5):
+    self.shape = tuple(shape)
+    nd = len(shape)
+    self.batch = tuple(range(nd - 2)) if batch_axes is None else tuple(batch_axes)
+    self.matrix = tuple(a for a in range(nd) if a not in self.batch)
+    assert len(self.matrix) >= 2
+    self.momentum, self.nesterov, self.b1 = momentum, nesterov, b1
+    self.rms_scale, self.ns_steps = rms_scale, ns_steps
+    self.m = np.zeros(shape)
+    self.t = 0
+
+  def update(self, g: np.ndarray) -> np.ndarray:
+    g = np.asarray(g, np.float64)
+    b1 = self.b1
+    self.t += 1
+    if self.momentum:
+      self.m = b1 * self.m + (1 - b1) * g
+      if self.nesterov:
+        x = b1 * self.m / (1 - b1**(self.t + 1)) + (1 - b1) * g / (1 - b1**self.t)
+      else:
+        x = self.m / (1 - b1**self.t)
+    else:
+      x = g
+    perm = self.batch + self.matrix
+    xt = np.transpose(x, perm)
+    bshape = xt.shape[:len(self.batch)]
+    r = int(np.prod(xt.shape[len(self.batch):-1]))
+    c = xt.shape[-1]
+    mats = xt.reshape((-1, r, c))
+    scale = (self.rms_scale * math.sqrt(max(r, c)) if self.rms_scale is not None
+             else math.sqrt(max(1.0, c / r)))
+    out = np.stack([scale * ref_newton_schulz(m, steps=self.ns_steps) for m in mats])
+    out = out.reshape(bshape + xt.shape[len(self.batch):])
+    return np.transpose(out, np.argsort(perm))

@@ -166,7 +166,8 @@ def test_clip_threshold_not_a_number_is_a_type_error():
 
 def test_unknown_second_moment_lists_the_allowed_kinds():
   with pytest.raises(ValueError, match=re.escape(
-      "`second_moment` must be one of ('exact', 'factored', 'grouped'), got 'adafactor'")):
+      "`second_moment` must be one of ('exact', 'factored', 'grouped', 'orthogonal'), got "
+      "'adafactor'")):
     sj.Tier(second_moment='adafactor')
   with pytest.raises(ValueError, match=r'`second_moment` must be one of'):
     sj.scale_by_tiered_adam(second_moment='full')

@@ -1,0 +1,203 @@
+"""The orthogonalised update: Muon's Newton-Schulz step in place of a second moment.
+
+A tier with `second_moment=Orthogonal()` keeps no statistics at all. Each matrix of
+the numerator `x` (the tier's momentum, or the gradient without momentum) is replaced
+by an approximation of its orthogonal polar factor `U V^T` (`x = U S V^T`), computed
+by a quintic Newton-Schulz iteration, and rescaled so that its RMS matches Adam's::
+
+  X  = x s / (||x s||_F + eps)                        (s: the step's num_scale)
+  X <- a X + (b A + c A A) X,   A = X X^T             (ns_steps times; on X^T if R > C)
+  u  = rms_scale * sqrt(max(R, C)) * X                (rms_scale None: sqrt(max(1, C / R)))
+
+with `(a, b, c) = (3.4445, -4.7750, 2.0315)` (Muon's coefficients, which leave the
+singular values in about [0.7, 1.2] instead of exactly 1). An `[R, C]` matrix with
+unit singular values has RMS `sqrt(min(R, C) / (R C)) = 1 / sqrt(max(R, C))`, so the
+default `rms_scale=0.2` gives every matrix an update RMS of about 0.2, that of a
+typical Adam update: one learning rate serves an orthogonalised tier and the Adam-like
+tiers beside it (Liu et al. 2025; optax's `muon(consistent_rms=0.2)`). With
+`rms_scale=None` the scale is Muon's width rule `sqrt(max(1, C / R))` instead, for
+Muon's own learning rates.
+
+The matrix of a leaf is laid out as in `Factored`: the batch axes (the expert axis of
+a stacked bank, a scanned layer axis, wherever they sit) index independent matrices,
+each orthogonalised on its own; of the remaining axes the last is the column (output)
+axis `C` and the others together the rows (input) `R`, e.g. `[E, d, f]` is `E`
+matrices `[d, f]`. A leaf with fewer than two non-batch axes (a bias, a norm scale, a
+per-expert bias `[E, F]`) has no matrix to orthogonalise: it gets `fallback`, or is
+rejected at `init` with a `ValueError` when `fallback` is None.
+
+No statistic means no bytes, no sharding specs, and no RMS clip in practice (the
+update RMS is `rms_scale` by construction; a tier's clip still applies per matrix).
+
+References:
+  Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024
+  (https://kellerjordan.github.io/posts/muon/).
+  Liu et al., Muon is Scalable for LLM Training, arXiv 2502.16982, 2025.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from skewadam_jax import _checks
+from skewadam_jax import _second_moment
+from skewadam_jax._second_moment import Spec
+from skewadam_jax._second_moment import Stats
+from skewadam_jax._second_moment import Step
+
+# Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024; optax's default).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
+                  steps: int = 5, eps: float = 1e-8) -> jax.Array:
+  """Approximate polar factor of each matrix `x[..., R, C]` (float32), batched.
+
+  The Frobenius norm normalises each matrix (all singular values <= 1), then `steps`
+  quintic iterations push them towards 1; the iteration runs on the wide orientation
+  (`X X^T` is the smaller Gram matrix), which gives the same result as on `X^T`.
+  """
+  a, b, c = coeffs
+  transposed = x.shape[-2] > x.shape[-1]
+  if transposed:
+    x = jnp.swapaxes(x, -1, -2)
+  norm = jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+  x = x / (norm + eps)
+  for _ in range(steps):
+    gram = x @ jnp.swapaxes(x, -1, -2)
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return jnp.swapaxes(x, -1, -2) if transposed else x
+
+
+@dataclasses.dataclass(frozen=True)
+class Orthogonal(_second_moment.SecondMoment):
+  """No second moment: each matrix's update is orthogonalised (Muon), RMS-matched.
+
+  Attributes:
+    rms_scale: the update of an `[R, C]` matrix is scaled by
+      `rms_scale * sqrt(max(R, C))`, so that its RMS is about `rms_scale` (0.2: Adam's,
+      one learning rate for every tier); None scales by Muon's `sqrt(max(1, C / R))`.
+    ns_steps: Newton-Schulz iterations.
+    ns_coeffs: the quintic's `(a, b, c)`.
+    eps: added to the Frobenius norm that normalises each matrix.
+    fallback: the estimator of leaves with fewer than two non-batch axes (e.g.
+      `sj.Factored()`, which gives them `Exact`); None rejects them at `init`.
+    batch_axes: the leaf's batch axes (sorted, non-negative), or None for the default
+      (every axis before the last two); `for_leaf` sets it per leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, skewadam_jax as sj
+    >>> hidden = sj.Tier(momentum=True, nesterov=True, b1=0.95,
+    ...                  second_moment=sj.Orthogonal(), clip_threshold=None)
+    >>> tx = sj.scale_by_tiered_adam(tier=hidden)
+    >>> state = tx.init({'w': jnp.zeros((8, 16))})  # the momentum only
+
+  References:
+    Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024.
+    Liu et al., Muon is Scalable for LLM Training, arXiv 2502.16982, 2025.
+  """
+
+  rms_scale: Optional[float] = 0.2
+  ns_steps: int = 5
+  ns_coeffs: tuple[float, float, float] = NS_COEFFS
+  eps: float = 1e-8
+  fallback: Optional[_second_moment.SecondMoment] = None
+  batch_axes: Optional[tuple[int, ...]] = None
+  name = 'orthogonal'
+
+  def __post_init__(self):
+    if self.rms_scale is not None and not (_checks.is_concrete_number(self.rms_scale)
+                                           and float(self.rms_scale) > 0):
+      raise ValueError(f'`rms_scale` must be a positive float or None, got {self.rms_scale!r}.')
+    _checks.check_positive_int('ns_steps', self.ns_steps)
+    coeffs = tuple(self.ns_coeffs) if hasattr(self.ns_coeffs, '__iter__') else ()
+    if len(coeffs) != 3 or not all(_checks.is_concrete_number(c) for c in coeffs):
+      raise TypeError(f'`ns_coeffs` must be three floats (a, b, c), got {self.ns_coeffs!r}.')
+    object.__setattr__(self, 'ns_coeffs', tuple(float(c) for c in coeffs))
+    _checks.check_non_negative('eps', self.eps)
+    if self.fallback is not None and not isinstance(self.fallback,
+                                                    _second_moment.SecondMoment):
+      raise TypeError('`fallback` must be a skewadam_jax.SecondMoment (e.g. sj.Factored()) '
+                      f'or None, got {self.fallback!r}.')
+
+  def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+               ) -> _second_moment.SecondMoment:
+    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    if len(_second_moment.matrix_axes(len(shape), batch_axes)) < 2:
+      if self.fallback is None:
+        return _NoMatrix(tuple(shape), batch_axes)
+      return self.fallback.for_leaf(tuple(shape), batch_axes)
+    return self if batch_axes == self.batch_axes else dataclasses.replace(
+        self, batch_axes=batch_axes)
+
+  def init(self, param: Any, path: str) -> Stats:
+    del param, path
+    return {}
+
+  def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
+             ) -> tuple[jax.Array, Stats]:
+    del g, stats
+    batch, rows, col = _layout(x.ndim, self.batch_axes)
+    r = math.prod(x.shape[a] for a in rows)
+    c = x.shape[col]
+    # The floor mode's sqrt(bc2) only rescales `x`, which the normalisation undoes.
+    s = step.num_scale / jnp.sqrt(step.bc2) if step.floor else step.num_scale
+    perm = batch + rows + (col,)
+    mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(-1, r, c)
+    o = newton_schulz(mats, self.ns_coeffs, self.ns_steps, self.eps)
+    scale = (self.rms_scale * math.sqrt(max(r, c)) if self.rms_scale is not None
+             else math.sqrt(max(1.0, c / r)))
+    u = jnp.transpose((o * scale).reshape(tuple(x.shape[a] for a in perm)),
+                      _inverse(perm))
+    return _second_moment.clipped(lambda u_: u_, (u,), x.ndim, step.clip,
+                                  self.batch_axes), {}
+
+  def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
+            ) -> Mapping[str, Any]:
+    del spec, shape, mesh, path
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoMatrix(_second_moment.SecondMoment):
+  """What `Orthogonal` without a fallback gives a leaf with no matrix: an error at init."""
+
+  shape: tuple[int, ...]
+  batch_axes: Optional[tuple[int, ...]]
+  name = 'orthogonal (no matrix)'
+
+  def init(self, param: Any, path: str) -> Stats:
+    axes = ('the default (all but the last two)' if self.batch_axes is None
+            else str(self.batch_axes))
+    raise ValueError(
+        f'{path}: an orthogonal update needs a matrix (two or more non-batch axes) per batch '
+        f'slice; shape {self.shape} with batch axes {axes} has fewer. Give such leaves '
+        'another tier, or a fallback estimator: sj.Orthogonal(fallback=sj.Factored()).')
+
+  def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
+             ) -> tuple[jax.Array, Stats]:  # pragma: no cover - init raises first
+    raise AssertionError('unreachable: init rejects the leaf')
+
+
+def _layout(ndim: int, batch_axes: Optional[tuple[int, ...]]
+            ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+  """`(batch axes, row axes, column axis)` of a leaf, as `Factored` lays it out."""
+  batch = _second_moment.default_batch_axes(ndim) if batch_axes is None else batch_axes
+  matrix = _second_moment.matrix_axes(ndim, batch)
+  return tuple(batch), matrix[:-1], matrix[-1]
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+  out = [0] * len(perm)
+  for i, p in enumerate(perm):
+    out[p] = i
+  return tuple(out)
+
+
+ORTHOGONAL = Orthogonal()

@@ -1,0 +1,322 @@
+"""The orthogonalised (Muon) update as a tier option, its labels and `MUON_TIERS`.
+
+Against the float64 NumPy reference of tests/reference.py (independent of optax) and
+against `optax.contrib.muon`. Float32 tolerances: the Newton-Schulz iteration in
+float32 agrees with float64 to ~1e-6 of the update's RMS on these sizes; 1e-4 of the
+RMS (1e-5 against optax, the same float32 algorithm) leaves room for any CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from optax import contrib
+
+import skewadam_jax as sj
+from reference import RefOrthogonalTier, RefTier, ref_newton_schulz
+from trees import MOE_LEAVES, init_params, make_grads_fn, run_optax
+
+HIDDEN = sj.MUON_TIERS['hidden']
+
+# name -> (shape, batch axes): stacked experts [E, in, out], scanned layers [L, in, out],
+# layers stacked on axis 1 as MaxText does [in, L, out], tall and wide matrices, and a
+# leaf whose rows are two axes [in, heads, head_dim].
+LEAVES = {
+    'experts': ((4, 12, 20), (0,)),
+    'scanned': ((3, 20, 12), (0,)),
+    'maxtext': ((12, 3, 20), (1,)),
+    'tall': ((24, 10), ()),
+    'wide': ((10, 24), ()),
+    'heads': ((8, 3, 5), ()),
+}
+
+
+def _grads(step: int, shape, scale=1.0):
+  rng = np.random.default_rng(100 + step)
+  return scale * rng.standard_normal(shape)
+
+
+def _run_tier(tier, shape, axes, steps, scale=1.0):
+  tx = sj.scale_by_tiered_adam(tier=tier, batch_axes={'w': axes})
+  state = tx.init({'w': jnp.zeros(shape)})
+  out = []
+  for i in range(steps):
+    u, state = tx.update({'w': jnp.asarray(_grads(i, shape, scale), jnp.float32)}, state)
+    out.append(np.asarray(u['w'], np.float64))
+  return out, state
+
+
+def _assert_close_in_rms(got, want, rel):
+  rms = np.sqrt(np.mean(want * want))
+  assert rms > 0
+  assert np.max(np.abs(got - want)) <= rel * rms, (np.max(np.abs(got - want)), rms)
+
+
+def test_newton_schulz_reference_is_near_orthogonal():
+  # The reference itself: Muon's coefficients leave singular values in about [0.7, 1.2].
+  x = np.random.default_rng(0).standard_normal((12, 20))
+  s = np.linalg.svd(ref_newton_schulz(x), compute_uv=False)
+  assert 0.6 < s.min() and s.max() < 1.25
+
+
+@pytest.mark.parametrize('name', LEAVES)
+@pytest.mark.parametrize('opts', [
+    dict(momentum=True, nesterov=True, b1=0.95), dict(momentum=True, nesterov=False),
+    dict(momentum=False)], ids=['nesterov', 'momentum', 'none'])
+def test_orthogonal_tier_matches_reference_over_steps(name, opts):
+  shape, axes = LEAVES[name]
+  tier = sj.Tier(second_moment='orthogonal', clip_threshold=None, **opts)
+  got, _ = _run_tier(tier, shape, axes, steps=6)
+  ref = RefOrthogonalTier(shape, batch_axes=axes, **opts)
+  for i, u in enumerate(got):
+    _assert_close_in_rms(u, ref.update(_grads(i, shape)), 1e-4)
+
+
+def test_each_batch_slice_is_orthogonalised_on_its_own():
+  # Experts with gradients four decades apart: each slice has the same update RMS.
+  shape = (4, 12, 20)
+  g = _grads(0, shape) * (10.0 ** np.arange(4))[:, None, None]
+  tx = sj.scale_by_tiered_adam(tier=sj.Tier(momentum=False, second_moment='orthogonal',
+                                            clip_threshold=None), batch_axes={'w': (0,)})
+  u, _ = tx.update({'w': jnp.asarray(g, jnp.float32)}, tx.init({'w': jnp.zeros(shape)}))
+  rms = np.sqrt(np.mean(np.asarray(u['w'], np.float64) ** 2, axis=(1, 2)))
+  np.testing.assert_allclose(rms, rms[0], rtol=0.1)
+  assert 0.1 < rms[0] < 0.3  # the Adam-like RMS, 0.2 for exactly orthogonal matrices
+  for i in range(4):
+    want = 0.2 * np.sqrt(20) * ref_newton_schulz(g[i])
+    _assert_close_in_rms(np.asarray(u['w'][i], np.float64), want, 1e-4)
+
+
+def test_width_scaling_when_rms_scale_is_none():
+  shape = (10, 24)
+  tier = sj.Tier(momentum=False, second_moment=sj.Orthogonal(rms_scale=None),
+                 clip_threshold=None)
+  (u,), _ = _run_tier(tier, shape, (), steps=1)
+  _assert_close_in_rms(u, np.sqrt(24 / 10) * ref_newton_schulz(_grads(0, shape)), 1e-4)
+
+
+@pytest.mark.parametrize('name', ['experts', 'scanned', 'maxtext', 'tall', 'wide'])
+def test_hidden_tier_matches_optax_muon(name):
+  shape, axes = LEAVES[name]
+  matrix = [a for a in range(len(shape)) if a not in axes]
+  dims = contrib.MuonDimensionNumbers(reduction_axis=tuple(matrix[:-1]),
+                                      output_axis=matrix[-1])
+  params = {'w': jnp.asarray(0.1 * _grads(99, shape), jnp.float32)}
+  ours = optax.chain(sj.scale_by_tiered_adam(tier=HIDDEN, batch_axes={'w': axes}),
+                     optax.add_decayed_weights(0.1), optax.scale_by_learning_rate(1e-2))
+  theirs = contrib.muon(1e-2, beta=0.95, nesterov=True, weight_decay=0.1,
+                        consistent_rms=0.2, muon_weight_dimension_numbers={'w': dims})
+  po, pt = params, params
+  so, st = ours.init(po), theirs.init(pt)
+  ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
+  for i in range(8):
+    g = {'w': jnp.asarray(_grads(i, shape), jnp.float32)}
+    uo, so = ours_update(g, so, po)
+    ut, st = theirs_update(g, st, pt)
+    _assert_close_in_rms(np.asarray(uo['w'], np.float64), np.asarray(ut['w'], np.float64),
+                         1e-5)
+    po, pt = optax.apply_updates(po, uo), optax.apply_updates(pt, ut)
+  # The same momentum (Muon's state is the tier's momentum).
+  _assert_close_in_rms(np.asarray(so[0].mu['w'], np.float64),
+                       np.asarray(st.inner_states['muon'].inner_state[0].mu['w'], np.float64),
+                       1e-5)
+
+
+def test_floor_and_adam_eps_modes_give_the_same_update():
+  # The floor mode's sqrt(bc2) numerator factor is undone: the update does not depend on it.
+  shape = (12, 20)
+  a, _ = _run_tier(HIDDEN, shape, (), steps=3)
+  b, _ = _run_tier(HIDDEN.replace(eps_mode='adam'), shape, (), steps=3)
+  for x, y in zip(a, b):
+    _assert_close_in_rms(x, y, 1e-5)
+
+
+def test_state_is_the_momentum_only_and_nothing_without_momentum():
+  params = {'w': jnp.zeros((4, 12, 20)), 'v': jnp.zeros((12, 20))}
+  state = sj.scale_by_tiered_adam(tier=HIDDEN).init(params)
+  assert state.mu['w'].shape == (4, 12, 20) and state.mu['w'].dtype == jnp.float32
+  for field in (state.v_row, state.v_col, state.v):
+    assert all(isinstance(x, optax.MaskedNode) for x in field.values())
+  assert sj.state_bytes(state) == 4 * (4 * 12 * 20 + 12 * 20)
+  stateless = sj.scale_by_tiered_adam(momentum=False, second_moment='orthogonal')
+  assert sj.optimizer_state_bytes(stateless, params) == 0
+
+
+def test_leaves_without_a_matrix_are_rejected_or_fall_back():
+  tx = sj.scale_by_tiered_adam(tier=HIDDEN)
+  with pytest.raises(ValueError, match=r'norm.*needs a matrix.*fallback'):
+    tx.init({'norm': jnp.zeros((8,))})
+  # A per-expert bias [E, F] has a vector per expert: no matrix either.
+  experts = sj.scale_by_tiered_adam(momentum=False, second_moment='orthogonal',
+                                    batch_axes={'b': (0,)})
+  with pytest.raises(ValueError, match='needs a matrix'):
+    experts.init({'b': jnp.zeros((4, 8))})
+  fallback = sj.Tier(momentum=False, clip_threshold=None,
+                     second_moment=sj.Orthogonal(fallback=sj.Factored()))
+  tx = sj.scale_by_tiered_adam(tier=fallback, batch_axes={'b': (0,), 'w': (0,)})
+  params = {'b': jnp.zeros((4, 8)), 'w': jnp.zeros((4, 8, 6))}
+  state = tx.init(params)
+  assert state.v['b'].shape == (4, 8) and isinstance(state.v['w'], optax.MaskedNode)
+  rows = sj.label_table(params, tiers={'backbone': fallback},
+                        batch_axes={'b': (0,), 'w': (0,)})
+  assert [r.second_moment for r in rows] == ['exact', 'orthogonal']
+  g = {'b': jnp.ones((4, 8)), 'w': jnp.asarray(_grads(0, (4, 8, 6)), jnp.float32)}
+  u, _ = tx.update(g, state)
+  ref = RefTier((4, 8), momentum=False, second_moment='exact', clip=None)
+  np.testing.assert_allclose(u['b'], ref.update(np.ones((4, 8))), rtol=1e-5)
+
+
+@pytest.mark.parametrize('kwargs, error, match', [
+    (dict(rms_scale=0.0), ValueError, 'rms_scale'),
+    (dict(rms_scale='x'), ValueError, 'rms_scale'),
+    (dict(ns_steps=0), ValueError, 'ns_steps'),
+    (dict(ns_coeffs=(1.0, 2.0)), TypeError, 'ns_coeffs'),
+    (dict(fallback='factored'), TypeError, 'fallback'),
+])
+def test_bad_options_are_rejected(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    sj.Orthogonal(**kwargs)
+
+
+def test_tier_rejects_nesterov_without_momentum_and_a_bad_b1():
+  with pytest.raises(ValueError, match='nesterov'):
+    sj.Tier(momentum=False, nesterov=True)
+  with pytest.raises(ValueError, match='b1'):
+    sj.Tier(b1=1.5)
+  with pytest.raises(TypeError, match='nesterov'):
+    sj.Tier(nesterov=1)
+
+
+def test_nesterov_with_adam_statistics_matches_optax_nadam():
+  # The Nesterov numerator is optax's: an exact tier with Adam's eps is optax.nadam.
+  tier = sj.Tier(momentum=True, nesterov=True, second_moment='exact', eps_mode='adam',
+                 clip_threshold=None)
+  shape = (6, 5)
+  ours = sj.scale_by_tiered_adam(tier=tier)
+  theirs = optax.scale_by_adam(nesterov=True)
+  so, st = ours.init({'w': jnp.zeros(shape)}), theirs.init({'w': jnp.zeros(shape)})
+  ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
+  for i in range(5):
+    g = {'w': jnp.asarray(_grads(i, shape), jnp.float32)}
+    uo, so = ours_update(g, so)
+    ut, st = theirs_update(g, st)
+    np.testing.assert_allclose(uo['w'], ut['w'], rtol=2e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def test_hidden_labels_split_the_backbone_by_shape_and_name():
+  params = {
+      'tok': {'embedding': jnp.zeros((256, 16))},  # named: an embedding
+      'pos_embed': jnp.zeros((32, 16)),  # named: its shape is a hidden one's
+      'blocks': {'attn': {'q': jnp.zeros((16, 16)), 'o': jnp.zeros((4, 4, 16))},
+                 'mlp': {'w1': jnp.zeros((16, 64)), 'w2': jnp.zeros((64, 16))},
+                 'norm': {'scale': jnp.zeros((16,))}},
+      'readout': {'kernel': jnp.zeros((16, 256))},  # untied head: the vocab axis
+      'moe': {'router': {'kernel': jnp.zeros((16, 4))},
+              'experts': {'w1': jnp.zeros((4, 16, 32))}},
+  }
+  labels = sj.hidden_param_labels(params)
+  assert labels['tok']['embedding'] == 'backbone'
+  assert labels['pos_embed'] == 'backbone'
+  assert labels['readout']['kernel'] == 'backbone'
+  assert labels['blocks']['norm']['scale'] == 'backbone'
+  assert labels['blocks']['attn'] == {'q': 'hidden', 'o': 'hidden'}
+  assert labels['blocks']['mlp'] == {'w1': 'hidden', 'w2': 'hidden'}
+  assert labels['moe'] == {'router': {'kernel': 'router'}, 'experts': {'w1': 'experts'}}
+
+
+def test_hidden_labels_of_scanned_layers_use_the_batch_axes():
+  params = {'layers': {'mlp': {'w1': jnp.zeros((3, 20, 64))}, 'norm': jnp.zeros((3, 16))},
+            'embed': jnp.zeros((100, 16))}
+  labels = sj.hidden_param_labels(params)
+  assert labels == {'layers': {'mlp': {'w1': 'hidden'}, 'norm': 'backbone'},
+                    'embed': 'backbone'}
+
+
+def test_label_table_and_skewadam_use_hidden_labels_for_muon_tiers():
+  params = {'embed': jnp.zeros((64, 16)), 'mlp': jnp.zeros((16, 32)),
+            'norm': jnp.zeros((16,)),
+            'moe': {'router': jnp.zeros((16, 4)), 'experts': {'w1': jnp.zeros((4, 16, 32))}}}
+  rows = {r.path: r for r in sj.label_table(params, tiers=sj.MUON_TIERS)}
+  assert (rows['mlp'].tier, rows['mlp'].second_moment) == ('hidden', 'orthogonal')
+  assert rows['mlp'].state_bytes == 16 * 32 * 4  # its momentum, no statistics
+  assert (rows['embed'].tier, rows['embed'].second_moment) == ('backbone', 'factored')
+  assert (rows['moe/experts/w1'].tier, rows['moe/experts/w1'].batch_axes) == ('experts', (0,))
+  assert rows['moe/router'].tier == 'router'
+  tx = sj.skewadam(1e-3, tiers=sj.MUON_TIERS)
+  assert sj.optimizer_state_bytes(tx, params) == sum(r.state_bytes for r in rows.values())
+  report = sj.memory_report(params, tx, param_labels=sj.hidden_param_labels)
+  assert {t.tier: t.state_bytes for t in report.tiers}['hidden'] == 16 * 32 * 4
+
+
+def test_state_shardings_of_the_hidden_tier_follow_the_params():
+  params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+                        {'embed': (100, 32), 'mlp': (32, 64), 'norm': (32,),
+                         'moe': {'router': (32, 4), 'experts': {'w1': (4, 32, 64)}}},
+                        is_leaf=lambda x: isinstance(x, tuple))
+  specs = {'embed': P(None, 'data'), 'mlp': P('data', None), 'norm': P(),
+           'moe': {'router': P(), 'experts': {'w1': P('expert', None, 'data')}}}
+  variant = dict(sj.MUON_TIERS, experts=sj.Tier(momentum=False, second_moment='orthogonal',
+                                                  clip_threshold=None))
+  shardings = sj.state_shardings(sj.skewadam(1e-3, tiers=variant), params, specs)
+  tiers = {k: v.inner_state for k, v in shardings[0].inner_states.items()}
+  assert tiers['hidden'].mu['mlp'] == P('data', None)
+  assert isinstance(tiers['hidden'].v_row['mlp'], optax.MaskedNode)
+  experts = tiers['experts']
+  assert all(isinstance(x, optax.MaskedNode) for x in jax.tree.leaves(
+      (experts.mu, experts.v_row, experts.v_col, experts.v),
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
+  assert tiers['backbone'].v_col['embed'] == P('data')
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+def _muon_ref(name: str, shape) -> object:
+  if 'experts' in name:
+    return RefTier(shape, momentum=False, second_moment='factored')
+  if 'router' in name:
+    return RefTier(shape, momentum=True, second_moment='exact', eps_mode='adam')
+  if len(shape) == 2 and 'embed' not in name:
+    return RefOrthogonalTier(shape, momentum=True, nesterov=True, b1=0.95)
+  return RefTier(shape, momentum=True, second_moment='factored')
+
+
+@pytest.mark.slow
+def test_muon_tiers_match_reference_over_30_steps():
+  lr, wd, steps = 1e-2, 0.1, 30
+  params = init_params()
+  grads_fn = make_grads_fn()
+  rules = {k: _muon_ref(k, v.shape) for k, v in params.items()}
+  assert sum(isinstance(r, RefOrthogonalTier) for r in rules.values()) == 2  # q and k
+  p = {k: v.copy() for k, v in params.items()}
+  for i in range(steps):
+    g = grads_fn(i, p)
+    for k in p:
+      w = 0.0 if 'router' in k else wd
+      p[k] = p[k] - lr * (rules[k].update(g[k]) + w * p[k])
+  got, _ = run_optax(sj.skewadam(lr, weight_decay=wd, tiers=sj.MUON_TIERS), params,
+                     grads_fn, steps)
+  for k in p:
+    moved = np.max(np.abs(p[k] - params[k]))
+    assert np.max(np.abs(got[k] - p[k])) <= 1e-5 + 1e-4 * moved, k
+  assert min(np.max(np.abs(got[k] - params[k])) for k in params) > 1e-4
+  assert set(MOE_LEAVES) == set(got)
+
+
+@pytest.mark.slow
+def test_jit_and_inject_hyperparams_with_muon_tiers():
+  kw = dict(learning_rate=1e-2, weight_decay=0.1, tiers=sj.MUON_TIERS)
+  eager, _ = run_optax(sj.skewadam(**kw), init_params(), make_grads_fn(), 2, jit=False)
+  jitted, _ = run_optax(sj.skewadam(**kw), init_params(), make_grads_fn(), 2, jit=True)
+  injected_tx = optax.inject_hyperparams(sj.skewadam)(**kw)
+  injected, state = run_optax(injected_tx, init_params(), make_grads_fn(), 2)
+  for k in eager:
+    moved = np.max(np.abs(eager[k] - init_params()[k]))
+    assert np.max(np.abs(jitted[k] - eager[k])) <= 1e-7 + 1e-5 * moved, k
+    assert np.max(np.abs(injected[k] - eager[k])) <= 1e-7 + 1e-5 * moved, k
+  assert float(state.hyperparams['learning_rate']) == pytest.approx(1e-2)

@@ -10,7 +10,12 @@ Optimizers (default): AdamW, Adafactor (`optax.adafactor`, no momentum) and Adaf
 with its `momentum=0.9` option, Muon (`optax.contrib.muon`), AdamPM (s = 8), SkewAdam
 (published tiers), SkewAdam with Adam's additive eps on every tier
 (`skewadam-adam-eps`), `sj.ADAM_EPS_TIERS` (`skewadam-adam-eps-router-momentum`) and
-`sj.ADAM_ROUTER_TIERS` (`skewadam-router-adam-eps-momentum`).
+`sj.ADAM_ROUTER_TIERS` (`skewadam-router-adam-eps-momentum`), and the Muon tiers:
+`sj.MUON_TIERS` (`skewadam-muon`: Muon's orthogonalised momentum on the backbone's
+hidden matrices, the published tiers elsewhere, an Adam router) and its variant with
+each expert's gradient orthogonalised and no expert state
+(`skewadam-muon-orthogonal-experts`); these run on the Adam grid `--lrs` (their update
+RMS is matched to Adam's).
 Each runs at every `--lrs` and every `--seeds`; Muon runs at every `--muon-lrs` instead
 (the lr of its orthogonalised matrices lives on another scale), its Adam branch
 (embeddings, norms, router) at `--muon-adam-lr`.
@@ -37,7 +42,10 @@ complete run JSON of this `--preset` and `--steps` under `--out` is read back in
   evaluation binned by the router's weight norm.
 * `curves_steps<N>.png`: validation loss against step at each optimizer's best lr
   (mean over seeds, band from min to max), with a zoom on the second half.
-* `memory_steps<N>.png`: best-lr validation loss against optimizer state bytes.
+* `memory_steps<N>.png`: quality per byte: best-lr validation loss against optimizer
+  state bytes (log scale), every optimizer and policy, with the Pareto front (the
+  optimizers no other beats with as little state or less); the report's "Quality per
+  byte" table lists the same.
 * `router_steps<N>.png`: each expert's load over training at the best lr (first seed),
   one panel per optimizer.
 * `dead_steps<N>.png`: dead experts against router weight norm, per layer, for every
@@ -76,7 +84,8 @@ from examples.moe_lm import train as train_lib  # noqa: E402
 
 SWEEP_OPTIMIZERS = ('adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
                     'skewadam', 'skewadam-adam-eps', 'skewadam-adam-eps-router-momentum',
-                    'skewadam-router-adam-eps-momentum')
+                    'skewadam-router-adam-eps-momentum', 'skewadam-muon',
+                    'skewadam-muon-orthogonal-experts')
 LRS = (3e-4, 1e-3, 3e-3)
 # Muon's conventional 0.02 in the middle; a factor 2 either side.
 MUON_LRS = (0.01, 0.02, 0.04)
@@ -372,6 +381,9 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         'router': router, 'best_runs': [Run(**r['sweep']).name for r in best],
         'hyperparameters': best[0]['optimizer'],
     })
+  front = {r['optimizer'] for r in pareto_front(rows)}
+  for row in rows:
+    row['on_pareto_front'] = row['optimizer'] in front
   base = next((r for r in rows if r['optimizer'] == BASELINE), None)
   for row in rows:
     row['gap_vs_baseline'] = None if base is None else row['loss_mean'] - base['loss_mean']
@@ -387,6 +399,24 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         paired_gap=_paired_gap(same, base['per_lr'][f'{base["best_lr"]:g}'],
                                base['loss_mean']))
   return rows
+
+
+def pareto_front(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The rows no other row beats on both state bytes and loss, by increasing bytes.
+
+  A row is on the front when its mean best-lr loss is strictly lower than that of
+  every row with as few or fewer state bytes (of rows with equal bytes and loss, the
+  first in `rows` order stays). Reading the front left to right: each step buys a
+  lower loss with more optimizer state.
+  """
+  order = sorted(enumerate(rows), key=lambda ir: (ir[1]['state_bytes'],
+                                                  ir[1]['loss_mean'], ir[0]))
+  front, best = [], math.inf
+  for _, row in order:
+    if row['loss_mean'] < best:
+      front.append(row)
+      best = row['loss_mean']
+  return front
 
 
 def _paired_gap(v: dict[str, Any], base: dict[str, Any], base_mean: float
@@ -476,6 +506,7 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
                  _pm(row['loss_mean'], row['loss_std'], row['n_seeds']), gap_text, paired,
                  f'{row["state_bytes"]:,}', speed, *health])
   lines += [_common.markdown_table(header, body), '']
+  lines += quality_per_byte_markdown(rows, base, args.steps)
   muon = next((r for r in rows if r['optimizer'] == 'muon'), None)
   if muon:
     lines += [f'Muon: the lr is that of its orthogonalised matrices (attention, dense MLP, '
@@ -484,7 +515,8 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
   names = ', '.join(f'`{r["optimizer"]}`' for r in rows)
   lines += [f'SkewAdam policies: `skewadam` is `sj.PUBLISHED_TIERS`, '
             '`skewadam-adam-eps-router-momentum` is `sj.ADAM_EPS_TIERS`, '
-            '`skewadam-router-adam-eps-momentum` is `sj.ADAM_ROUTER_TIERS`; every name '
+            '`skewadam-router-adam-eps-momentum` is `sj.ADAM_ROUTER_TIERS`, `skewadam-muon` '
+            'is `sj.MUON_TIERS`; every name '
             f'({names}) is defined in examples/moe_lm/optimizers.py.', '']
   lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
   body = []
@@ -510,6 +542,26 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
                     _paired_text(v['paired_gap'])]
                    for row in same for v in [row['at_baseline_lr']]])]
   return '\n'.join(lines)
+
+
+def quality_per_byte_markdown(rows: list[dict[str, Any]], base: Optional[dict[str, Any]],
+                              steps: int) -> list[str]:
+  """Every optimizer by increasing state bytes, with its loss and the Pareto front."""
+  body = []
+  for row in sorted(rows, key=lambda r: (r['state_bytes'], r['loss_mean'])):
+    share = ('—' if base is None else
+             f'{100 * row["state_bytes"] / base["state_bytes"]:.1f}%')
+    body.append([row['optimizer'], f'{row["state_bytes"]:,}', share,
+                 _pm(row['loss_mean'], row['loss_std'], row['n_seeds']),
+                 _paired_text(row.get('paired_gap')),
+                 'yes' if row['on_pareto_front'] else ''])
+  return ['### Quality per byte', '',
+          'Every optimizer at its best lr, by increasing optimizer state; on the Pareto '
+          'front: no optimizer with as little state or less has a lower mean loss '
+          f'(`memory_steps{steps}.png` draws it).', '',
+          _common.markdown_table(['optimizer', 'state bytes', f'of {BASELINE}\'s',
+                                  'final val loss', f'vs {BASELINE}, paired (± s.e.)',
+                                  'Pareto front'], body), '']
 
 
 def _best_records(rows: list[dict[str, Any]], records: list[dict[str, Any]]
@@ -650,22 +702,35 @@ def plot_curves(rows: list[dict[str, Any]], records: list[dict[str, Any]], steps
 
 
 def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-  """Best-lr final validation loss (error bar: std over seeds) against state bytes."""
+  """Quality per byte: best-lr final validation loss (error bar: std over seeds)
+  against state bytes, every optimizer, the Pareto front as a staircase and rings."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(7.5, 5))
+  fig, ax = plt.subplots(figsize=(9, 6))
+  front = pareto_front(rows)
+  if front:
+    # The best loss reachable with at most x bytes: a staircase through the front.
+    xs = [r['state_bytes'] for r in front]
+    ys = [r['loss_mean'] for r in front]
+    right = max(r['state_bytes'] for r in rows) * 1.5
+    ax.step(xs + [right], ys + [ys[-1]], where='post', color='k', lw=1, alpha=0.6,
+            label='Pareto front (best loss at this state or less)', zorder=1)
+    ax.scatter(xs, ys, s=160, facecolors='none', edgecolors='k', lw=1, zorder=3)
+  on_front = {id(r) for r in front}
   for i, row in enumerate(rows):
+    # tab10 colours, a new marker every ten optimizers: every point has its legend entry.
     ax.errorbar(row['state_bytes'], row['loss_mean'], yerr=row['loss_std'] or 0.0,
-                fmt='o', ms=6, capsize=3, color=f'C{i % 10}',
+                fmt='os^Dv'[(i // 10) % 5], ms=6, capsize=3, color=f'C{i % 10}',
                 label=f'{row["optimizer"]} (lr {row["best_lr"]:g})')
-    # Optimizers with the same state size (SkewAdam's eps variants) share an x: their
-    # labels go one below the other.
-    same_x = sum(abs(math.log(r['state_bytes'] / row['state_bytes'])) < 0.03
-                 for r in rows[:i])
-    ax.annotate(row['optimizer'], (row['state_bytes'], row['loss_mean']),
-                textcoords='offset points', xytext=(6, 4 - 11 * same_x), fontsize=8)
+    # Points that share an x (SkewAdam's variants) are told apart by the legend; the
+    # front's points and lone points are named on the plot too.
+    crowded = sum(abs(math.log(r['state_bytes'] / row['state_bytes'])) < 0.03
+                  for r in rows) > 1
+    if id(row) in on_front or not crowded:
+      ax.annotate(row['optimizer'], (row['state_bytes'], row['loss_mean']),
+                  textcoords='offset points', xytext=(8, 4), fontsize=8)
   _finish_log_x(fig, ax, 'optimizer state bytes (float32 state)',
                 'final validation loss at the best lr (nats / byte)', title, path)
 
@@ -706,7 +771,7 @@ def report(args: argparse.Namespace, out: Path) -> str:
       'machine': records[0]['machine'], 'rows': rows,
       'runs': sorted(Run(**r['sweep']).name for r in records)})
   plot_curves(rows, records, args.steps, paths['curves'], f'validation loss, {what}')
-  plot_memory(rows, paths['memory'], f'quality against optimizer memory, {what}')
+  plot_memory(rows, paths['memory'], f'quality per byte of optimizer state, {what}')
   train_lib.plot_router(
       [(f'{row["optimizer"]} lr {row["best_lr"]:g} seed {rs[0]["sweep"]["seed"]}', rs[0])
        for row, rs in _best_records(rows, records)],

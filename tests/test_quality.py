@@ -41,7 +41,8 @@ def test_default_sweep_covers_the_requested_optimizers():
   assert args.optimizers == ['adamw', 'adafactor', 'adafactor-momentum', 'muon', 'adampm',
                              'skewadam', 'skewadam-adam-eps',
                              'skewadam-adam-eps-router-momentum',
-                             'skewadam-router-adam-eps-momentum']
+                             'skewadam-router-adam-eps-momentum', 'skewadam-muon',
+                             'skewadam-muon-orthogonal-experts']
   assert (args.lrs, args.steps) == ([3e-4, 1e-3, 3e-3], 2000)
 
 
@@ -222,3 +223,36 @@ def test_refine_plans_one_run_per_optimizer_at_the_first_seed(tmp_path):
                              '--preset', 'tiny', '--optimizers', 'skewadam', 'adamw', 'muon'])
   runs = quality.refinement_plan(args, quality.load_runs(tmp_path, 'tiny', 100))
   assert runs == [quality.Run('skewadam', 0.0017, 3, 100), quality.Run('adamw', 0.0017, 3, 100)]
+
+
+def test_pareto_front_keeps_only_rows_no_smaller_state_beats():
+  def row(name, state, loss):
+    return {'optimizer': name, 'state_bytes': state, 'loss_mean': loss}
+
+  rows = [row('adamw', 100, 1.47), row('adafactor', 2, 1.46), row('skewadam', 6, 1.46),
+          row('tie', 6, 1.46), row('worse-small', 1, 1.60), row('muon', 50, 1.24),
+          row('muon-tier', 7, 1.23), row('same-bytes-better', 6, 1.40)]
+  front = [r['optimizer'] for r in quality.pareto_front(rows)]
+  # By increasing bytes; each step strictly lowers the loss. 'skewadam' and 'tie' lose to
+  # 'same-bytes-better' (same bytes, lower loss), 'adamw' to everything cheaper, 'muon'
+  # to the cheaper 'muon-tier'.
+  assert front == ['worse-small', 'adafactor', 'same-bytes-better', 'muon-tier']
+  assert quality.pareto_front([]) == []
+  # Equal bytes and loss: the first in row order stays, once.
+  assert [r['optimizer'] for r in quality.pareto_front(
+      [row('a', 5, 1.0), row('b', 5, 1.0)])] == ['a']
+
+
+def test_report_marks_the_pareto_front_and_lists_quality_per_byte():
+  rows = [{'optimizer': name, 'state_bytes': b, 'loss_mean': loss, 'loss_std': None,
+           'n_seeds': 1, 'paired_gap': None, 'on_pareto_front': f}
+          for name, b, loss, f in [('adamw', 100, 1.5, False), ('skewadam-muon', 7, 1.3, True)]]
+  lines = quality.quality_per_byte_markdown(rows, rows[0], 2000)
+  text = '\n'.join(lines)
+  assert '### Quality per byte' in text and 'memory_steps2000.png' in text
+  # Sorted by bytes: the Muon tier (7 B, 7.0% of AdamW's) first, on the front.
+  table = [ln for ln in text.splitlines()
+           if ln.startswith('| skewadam-muon') or ln.startswith('| adamw')]
+  assert table[0].startswith('| skewadam-muon | 7 | 7.0% | 1.3000 (1) |')
+  assert table[0].rstrip().endswith('| yes |') and not table[1].rstrip().endswith('yes |')
+

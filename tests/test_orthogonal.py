@@ -320,3 +320,22 @@ def test_jit_and_inject_hyperparams_with_muon_tiers():
     assert np.max(np.abs(jitted[k] - eager[k])) <= 1e-7 + 1e-5 * moved, k
     assert np.max(np.abs(injected[k] - eager[k])) <= 1e-7 + 1e-5 * moved, k
   assert float(state.hyperparams['learning_rate']) == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize('name', ['skewadam-muon', 'skewadam-muon-orthogonal-experts'])
+def test_example_optimizers_of_the_muon_tiers(name):
+  from examples.moe_lm import model as model_lib
+  from examples.moe_lm import optimizers as opt_lib
+
+  params = model_lib.abstract_params(model_lib.get_config('tiny')).to_pure_dict()
+  tx, info = opt_lib.make_optimizer(name, 1e-3, total_steps=10, warmup_steps=1)
+  tiers = opt_lib.skewadam_tiers(name)
+  rows = sj.label_table(params, tiers=tiers)
+  assert sj.optimizer_state_bytes(tx, params) == sum(r.state_bytes for r in rows)
+  hidden = [r for r in rows if r.tier == 'hidden']
+  assert hidden and all(r.second_moment == 'orthogonal' for r in hidden)
+  assert not any('embed' in r.path for r in hidden)
+  experts = [r for r in rows if r.tier == 'experts']
+  stateless = name.endswith('orthogonal-experts')
+  assert experts and all((r.state_bytes == 0) == stateless for r in experts)
+  assert info['lr'] == 1e-3

@@ -34,6 +34,9 @@ from skewadam_jax._labels import moe_param_labels
 from skewadam_jax._hidden import hidden_param_labels
 # Batch axes: which axes of each leaf index independent matrices (experts, layers).
 from skewadam_jax._axes import moe_batch_axes
+# Structure from the computation: tiers and batch axes read from the traced forward pass.
+from skewadam_jax._structure import Structure
+from skewadam_jax._structure import trace_structure
 # Reports: what each leaf gets and costs, before training (nothing is allocated).
 from skewadam_jax._labels import LeafReport
 from skewadam_jax._memory import format_label_table
@@ -69,6 +72,7 @@ __all__ = (
     'PUBLISHED_TIERS',
     'SecondMoment',
     'Step',
+    'Structure',
     'Tier',
     'TieredAdamState',
     'adampm',
@@ -90,4 +94,5 @@ __all__ = (
     'state_bytes',
     'state_shardings',
     'stochastic_round',
+    'trace_structure',
 )

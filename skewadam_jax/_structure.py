@@ -1,0 +1,838 @@
+"""Structure from the computation: tiers and batch axes read from the traced program.
+
+Names are only the fast path (`moe_param_labels`, `moe_batch_axes`); what makes a
+parameter a router, an expert bank or a stack of scanned layers is what the model does
+with it. `trace_structure` traces the forward (or loss) function to a jaxpr (nothing runs
+on data) and follows every parameter through it:
+
+* a **routing decision** is a `top_k`, `approx_max_k`, `argmax`/`argmin` or a `sort`
+  (argsort) whose selected axis carries a parameter's axis; the parameters whose axes
+  reach that axis (the kernel whose contraction produces the logits' expert axis, and
+  any bias or scale added to the logits) are the **router**, and the axis's length is
+  the expert count `E`;
+* an **expert bank** is a parameter whose axis of length `E` meets an expert-indexed
+  axis: a `dot_general` batch dimension shared with tokens dispatched by the decision
+  (gathered, scattered or sorted by routing indices), a batch or contracting dimension
+  (or an elementwise alignment) shared with an axis that indexes experts (the router's
+  logits, a one-hot of the expert ids), the group axis of a `ragged_dot`, or an axis
+  gathered (or dynamically sliced) by expert ids; that axis is a batch axis;
+* **scanned layers** are parameters consumed (whatever the transposes, reshapes,
+  broadcasts and slices on the way) as the `xs` of a `scan` that reads no input data;
+  the scanned axis, mapped back to the parameter's own axis, is a batch axis, one per
+  nesting level;
+* everything else (dense paths, shared experts, a decision that dispatches nothing)
+  is backbone, with no batch axes: its other axes form one matrix.
+
+Every variable of the jaxpr carries, per axis, the set of parameter axes it derives from
+(through `transpose`, `reshape` where the axis survives as its own dimension,
+`broadcast_in_dim`, slicing, elementwise ops, `dot_general` free and batch dimensions,
+`gather` offset dimensions, reductions over the other axes), plus whether it depends on
+the inputs, on which routing decisions, and whether its values are expert ids. Calls are
+entered (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `shard_map`), `scan`/`while` carries
+are iterated to a fixed point and `cond` branches are joined. The analysis runs twice:
+the first pass finds the decisions and their routers, the second marks the logits' axes
+as expert-indexed. A parameter that reaches a primitive the analysis does not know is
+reported as undecided, as is one the function never reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+from jax.extend import core as jex_core
+import numpy as np
+
+from skewadam_jax import _tree
+
+BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
+
+_EMPTY: frozenset = frozenset()
+# Elementwise primitives whose output still holds expert ids when one operand does and
+# the others are constants (index normalisation `where(i < 0, i + E, i)`, clipping).
+_ID_PRESERVING = frozenset({
+    'add', 'sub', 'max', 'min', 'clamp', 'select_n', 'convert_element_type', 'copy',
+    'copy_p', 'rem', 'stop_gradient', 'reduce_precision', 'pvary', 'optimization_barrier'})
+_COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge'})
+_REDUCTIONS = frozenset({'reduce_sum', 'reduce_max', 'reduce_min', 'reduce_prod',
+                         'reduce_and', 'reduce_or', 'reduce_xor', 'argmax', 'argmin'})
+_SCATTERS = frozenset({'scatter', 'scatter-add', 'scatter_add', 'scatter-mul',
+                       'scatter_mul', 'scatter-min', 'scatter_min', 'scatter-max',
+                       'scatter_max', 'scatter_apply', 'scatter-sub', 'scatter_sub'})
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafStructure:
+  """What the computation says about one parameter leaf."""
+  path: str
+  shape: tuple[int, ...]
+  tier: str  # 'backbone' | 'experts' | 'router'
+  batch_axes: tuple[int, ...]  # expert axis and scanned-layer axes, sorted
+  evidence: str  # why, in words
+  expert_axis: Optional[int] = None
+  layer_axes: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingDecision:
+  """One routing decision found in the program."""
+  primitive: str  # 'top_k', 'argmax', 'sort', ...
+  num_experts: int  # E, the length of the axis selected over
+  routers: tuple[str, ...]  # paths of the router parameters
+  experts: tuple[str, ...]  # paths of the expert banks dispatched by it
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+  """Tiers and batch axes of every parameter leaf, read from the traced computation.
+
+  Attributes:
+    labels: a pytree like the params of tier names (`'backbone'`, `'experts'`,
+      `'router'`; None at leaves that are not arrays), for `sj.skewadam(...,
+      param_labels=...)`, `sj.label_table` and `sj.memory_report`.
+    batch_axes: a pytree like the params of sorted int tuples, for `sj.skewadam(...,
+      batch_axes=...)` and `sj.label_table`.
+    leaves: one `LeafStructure` per array leaf, in flattening order.
+    decisions: the routing decisions that dispatch tokens to an expert bank.
+    undecided: path -> reason, for leaves the analysis could not decide (they are
+      labelled backbone, the lossless tier, with no batch axes beyond scanned layers).
+  """
+  labels: Any
+  batch_axes: Any
+  leaves: tuple[LeafStructure, ...]
+  decisions: tuple[RoutingDecision, ...]
+  undecided: dict[str, str]
+
+  @property
+  def by_path(self) -> dict[str, LeafStructure]:
+    """The leaves keyed by their normalised path."""
+    return {leaf.path: leaf for leaf in self.leaves}
+
+  def format(self) -> str:
+    """An aligned text table: path, shape, tier, batch axes and evidence per leaf."""
+    header = ('path', 'shape', 'tier', 'batch axes', 'evidence')
+    body = [(x.path, 'x'.join(map(str, x.shape)) or '()', x.tier,
+             ','.join(map(str, x.batch_axes)) or '-', x.evidence) for x in self.leaves]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(4)]
+    fmt = '  '.join(f'{{:<{w}}}' for w in widths) + '  {}'
+    lines = [fmt.format(*header), fmt.format(*('-' * w for w in widths), '-' * 8)]
+    lines += [fmt.format(*row).rstrip() for row in body]
+    counts = {t: sum(x.tier == t for x in self.leaves) for t in (BACKBONE, EXPERTS, ROUTER)}
+    lines.append(f'{len(self.leaves)} leaves: ' + ', '.join(f'{n} {t}' for t, n in
+                                                            counts.items()))
+    for d in self.decisions:
+      lines.append(f'routing: {d.primitive} over E={d.num_experts} experts; router '
+                   f'{", ".join(d.routers)}; experts {", ".join(d.experts)}')
+    for path, why in self.undecided.items():
+      lines.append(f'UNDECIDED {path}: {why}')
+    return '\n'.join(lines)
+
+
+# ---------------------------------------------------------------------------- dataflow
+
+
+class _Info(NamedTuple):
+  """What the analysis knows about one jaxpr variable."""
+  axes: tuple[frozenset, ...]  # per axis: (leaf, axis) | ('d', dec) dispatched | ('e', dec)
+  data: bool = False  # depends on the function's inputs (not only on parameters)
+  routed: frozenset = _EMPTY  # routing decisions it depends on
+  eid: Optional[int] = None  # its values are expert ids of this decision
+  iota: Optional[int] = None  # its values are the index along this axis
+
+
+def _blank(ndim: int) -> _Info:
+  return _Info((_EMPTY,) * ndim)
+
+
+def _shape(var: Any) -> tuple[int, ...]:
+  return tuple(int(d) if isinstance(d, (int, np.integer)) else -1
+               for d in getattr(var.aval, 'shape', ()))
+
+
+def _params_of(tokens: frozenset) -> list[tuple[int, int]]:
+  return [t for t in tokens if isinstance(t[0], int)]
+
+
+def _flags(tokens: frozenset, kind: str) -> set[int]:
+  return {t[1] for t in tokens if t[0] == kind}
+
+
+def _join(a: _Info, b: _Info) -> _Info:
+  """The least upper bound of two facts about the same variable."""
+  axes = a.axes if len(a.axes) != len(b.axes) else tuple(x | y for x, y in zip(a.axes, b.axes))
+  return _Info(axes, a.data or b.data, a.routed | b.routed,
+               a.eid if a.eid == b.eid else None, a.iota if a.iota == b.iota else None)
+
+
+def _reshape_groups(src: Sequence[int], dst: Sequence[int]
+                    ) -> list[tuple[list[int], list[int]]]:
+  """Groups of source and destination dims with equal products (size-1 dims alone)."""
+  if 0 in src or 0 in dst or -1 in src or -1 in dst:
+    return []
+  groups, i, j = [], 0, 0
+  while i < len(src) or j < len(dst):
+    if i < len(src) and src[i] == 1:
+      groups.append(([i], []))
+      i += 1
+      continue
+    if j < len(dst) and dst[j] == 1:
+      groups.append(([], [j]))
+      j += 1
+      continue
+    if i >= len(src) or j >= len(dst):
+      return []
+    gi, gj, pa, pb = [i], [j], src[i], dst[j]
+    i, j = i + 1, j + 1
+    while pa != pb:
+      if pa < pb and i < len(src):
+        gi.append(i)
+        pa *= src[i]
+        i += 1
+      elif pb < pa and j < len(dst):
+        gj.append(j)
+        pb *= dst[j]
+        j += 1
+      else:
+        return []
+    groups.append((gi, gj))
+  return groups
+
+
+def _sub_jaxpr(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
+  """(jaxpr, consts) of a call-like equation whose body maps its operands one to one."""
+  for name in ('jaxpr', 'call_jaxpr'):
+    sub = eqn.params.get(name)
+    if isinstance(sub, jex_core.ClosedJaxpr):
+      sub, consts = sub.jaxpr, list(sub.consts)
+    elif isinstance(sub, jex_core.Jaxpr):
+      consts = []
+    else:
+      continue
+    if len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars):
+      return sub, consts
+  return None
+
+
+def _closed(sub: Any) -> tuple[Any, list[Any]]:
+  if isinstance(sub, jex_core.ClosedJaxpr):
+    return sub.jaxpr, list(sub.consts)
+  return sub, []
+
+
+@dataclasses.dataclass
+class _Decision:
+  primitive: str
+  num_experts: int
+  routers: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+
+
+class _Analysis:
+  """Forward dataflow over a jaxpr, recording decisions, banks, scans and blind spots."""
+
+  def __init__(self, shapes: list[tuple[int, ...]]):
+    self.shapes = shapes  # of the parameter leaves
+    self.decisions: dict[int, _Decision] = {}  # id(eqn) -> decision
+    self.order: list[int] = []  # decision keys in discovery order
+    self.router_tokens: dict[tuple[int, int], set[int]] = {}  # set for the second pass
+    self.banks: dict[tuple[int, int], dict[str, set[int]]] = {}  # (leaf, axis) -> why -> decs
+    self.scans: dict[tuple[int, int], int] = {}  # (leaf, axis) -> scan length
+    self.opaque: dict[int, set[str]] = {}  # leaf -> primitives it reached unseen
+
+  # -- records
+
+  def _decision(self, eqn: Any, prim: str, tokens: frozenset, length: int,
+                operand: _Info) -> Optional[int]:
+    """Registers a routing decision if the selected axis carries parameter axes."""
+    params = _params_of(tokens)
+    if not params or operand.eid is not None:
+      return None
+    key = id(eqn)
+    if key not in self.decisions:
+      self.decisions[key] = _Decision(prim, length)
+      self.order.append(key)
+    self.decisions[key].routers.update(params)
+    return self.order.index(key)
+
+  def _experts_of(self, tokens: frozenset, dispatched: bool) -> set[int]:
+    """Decisions whose experts this axis indexes (with `dispatched`: or whose tokens)."""
+    decs = _flags(tokens, 'e')
+    if dispatched:
+      decs |= _flags(tokens, 'd')
+    for t in tokens:
+      decs |= self.router_tokens.get(t, set())
+    return decs
+
+  def _bank(self, leaf_axis: tuple[int, int], dec: Optional[int], why: str) -> None:
+    self.banks.setdefault(leaf_axis, {}).setdefault(why, set()).add(dec)
+
+  def _meet(self, mine: frozenset, other: frozenset, dispatched: bool, why: str) -> None:
+    """Parameter axes in `mine` of length E meet an axis indexing E experts: banks."""
+    if not any(isinstance(t[0], int) for t in mine):
+      return
+    for dec in self._experts_of(other, dispatched):
+      e = self.decision(dec).num_experts
+      for leaf, axis in _params_of(mine):
+        if self.shapes[leaf][axis] == e and (leaf, axis) not in self.router_tokens:
+          self._bank((leaf, axis), dec, why)
+
+  def decision(self, dec: int) -> _Decision:
+    return self.decisions[self.order[dec]]
+
+  def _opaque(self, prim: str, infos: Sequence[_Info]) -> None:
+    for info in infos:
+      for tokens in info.axes:
+        for leaf, _ in _params_of(tokens):
+          self.opaque.setdefault(leaf, set()).add(prim)
+
+  # -- interpretation
+
+  def run(self, jaxpr: Any, infos: Sequence[_Info], consts: Sequence[Any] = ()
+          ) -> list[_Info]:
+    """Infos of `jaxpr`'s outputs given those of its inputs."""
+    env: dict[Any, _Info] = {}
+    for var in jaxpr.constvars:
+      env[var] = _blank(len(_shape(var)))
+    for var, info in zip(jaxpr.invars, infos):
+      env[var] = info
+
+    def read(v: Any) -> _Info:
+      if isinstance(v, jex_core.Literal):
+        return _blank(len(np.shape(v.val)))
+      return env.get(v) or _blank(len(_shape(v)))
+
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      outs = self.eqn(eqn, ins)
+      for var, info in zip(eqn.outvars, outs):
+        env[var] = info
+    return [read(v) for v in jaxpr.outvars]
+
+  def eqn(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    prim = eqn.primitive.name
+    handler = getattr(self, '_' + prim.replace('-', '_'), None)
+    if handler is not None:
+      return handler(eqn, ins)
+    if prim in _REDUCTIONS:
+      return self._reduce(eqn, ins)
+    if prim in _SCATTERS:
+      return self._scatter_any(eqn, ins)
+    sub = _sub_jaxpr(eqn)
+    if sub is not None:
+      return self.run(sub[0], ins, sub[1])
+    if self._elementwise_shapes(eqn):
+      return self._elementwise(eqn, ins)
+    self._opaque(prim, ins)
+    return [_Info(_blank(len(_shape(v))).axes, any(x.data for x in ins),
+                  frozenset().union(*(x.routed for x in ins))) for v in eqn.outvars]
+
+  @staticmethod
+  def _elementwise_shapes(eqn: Any) -> bool:
+    out = {_shape(v) for v in eqn.outvars}
+    if len(out) != 1:
+      return False
+    shape = out.pop()
+    for v in eqn.invars:
+      s = _shape(v)
+      if s and (len(s) != len(shape) or any(a not in (b, 1) for a, b in zip(s, shape))):
+        return False
+    return True
+
+  @staticmethod
+  def _common(ins: Sequence[_Info]) -> tuple[bool, frozenset]:
+    return any(x.data for x in ins), frozenset().union(*(x.routed for x in ins))
+
+  def _elementwise(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    prim = eqn.primitive.name
+    shape = _shape(eqn.outvars[0])
+    shapes = [_shape(v) for v in eqn.invars]
+    axes = []
+    for ax, n in enumerate(shape):
+      here = [x.axes[ax] for x, s in zip(ins, shapes) if len(s) == len(shape) and s[ax] == n
+              and len(x.axes) == len(shape)]
+      axes.append(frozenset().union(*here))
+      if len(here) > 1 and n > 1:
+        for i, mine in enumerate(here):
+          for j, other in enumerate(here):
+            if i != j:
+              self._meet(mine, other, False, f'{prim} with an expert-indexed axis')
+    data, routed = self._common(ins)
+    eid = iota = None
+    if prim in _ID_PRESERVING:
+      values = ins[1:] if prim == 'select_n' else ins
+      ids = {x.eid for x in values if x.eid is not None}
+      others_const = all(x.eid is not None or (not x.data and not x.routed and not any(
+          x.axes)) for x in values)
+      if len(ids) == 1 and others_const:
+        eid = ids.pop()
+      if len(ins) == 1:
+        iota = ins[0].iota
+    if prim in _COMPARISONS and len(ins) == 2:
+      for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
+        if a.eid is not None and b.iota is not None:
+          e = self.decision(a.eid).num_experts
+          if shape[b.iota] == e:  # a one-hot of the expert ids along the iota's axis
+            axes[b.iota] = axes[b.iota] | {('e', a.eid)}
+    return [_Info(tuple(axes), data, routed, eid, iota) for _ in eqn.outvars]
+
+  # layout
+
+  def _broadcast_in_dim(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x, src = ins[0], _shape(eqn.invars[0])
+    shape = _shape(eqn.outvars[0])
+    axes = [_EMPTY] * len(shape)
+    dims = eqn.params['broadcast_dimensions']
+    for i, d in enumerate(dims):
+      if src[i] == shape[d]:
+        axes[d] = x.axes[i]
+    iota = dims[x.iota] if x.iota is not None else None
+    return [x._replace(axes=tuple(axes), iota=iota)]
+
+  def _reshape(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x = ins[0]
+    src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    axes = [_EMPTY] * len(dst)
+    iota = None
+    for gi, gj in _reshape_groups(src, dst):
+      if len(gi) == 1 and len(gj) == 1:
+        axes[gj[0]] = x.axes[gi[0]]
+        iota = gj[0] if x.iota == gi[0] else iota
+      elif gi and gj:
+        # A merged or split axis is no parameter axis, but stays dispatched: the major
+        # part of a split dispatched axis ([E * C] -> [E, C]) indexes the experts.
+        flags = frozenset(t for i in gi for t in x.axes[i] if not isinstance(t[0], int))
+        if len(gj) == 1:
+          axes[gj[0]] = flags
+        else:
+          axes[next(j for j in gj if dst[j] > 1)] = flags
+    return [x._replace(axes=tuple(axes), iota=iota)]
+
+  def _transpose(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x, perm = ins[0], eqn.params['permutation']
+    iota = perm.index(x.iota) if x.iota is not None else None
+    return [x._replace(axes=tuple(x.axes[p] for p in perm), iota=iota)]
+
+  def _squeeze(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x = ins[0]
+    ndim = len(x.axes)
+    drop = {d % ndim for d in eqn.params['dimensions']}
+    keep = [i for i in range(ndim) if i not in drop]
+    return [x._replace(axes=tuple(x.axes[i] for i in keep),
+                       iota=keep.index(x.iota) if x.iota in keep else None)]
+
+  def _same_rank(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    return [ins[0]._replace(iota=None)]
+
+  _slice = _pad = _rev = _same_rank
+
+  def _dynamic_slice(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x, starts = ins[0], ins[1:]
+    for axis, s in enumerate(starts):
+      if s.eid is not None:
+        for t in _params_of(x.axes[axis]):
+          if self.shapes[t[0]][t[1]] == self.decision(s.eid).num_experts:
+            self._bank(t, s.eid, 'dynamically sliced by expert id')
+    data, routed = self._common(ins)
+    return [_Info(x.axes, data, routed, x.eid)]
+
+  def _dynamic_update_slice(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x, u = ins[0], ins[1]
+    data, routed = self._common(ins)
+    return [_Info(tuple(a | b for a, b in zip(x.axes, u.axes)), data, routed)]
+
+  def _concatenate(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    dim = eqn.params['dimension']
+    axes = []
+    for ax in range(len(_shape(eqn.outvars[0]))):
+      tokens = frozenset().union(*(x.axes[ax] for x in ins))
+      if ax == dim:  # a concatenated axis is no parameter's own axis
+        tokens = frozenset(t for t in tokens if not isinstance(t[0], int))
+      axes.append(tokens)
+    data, routed = self._common(ins)
+    ids = {x.eid for x in ins}
+    return [_Info(tuple(axes), data, routed, ids.pop() if len(ids) == 1 else None)]
+
+  def _iota(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    return [_blank(len(_shape(eqn.outvars[0])))._replace(iota=eqn.params['dimension'])]
+
+  def _reduce(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x = ins[0]
+    drop = set(eqn.params['axes'])
+    axes = tuple(a for i, a in enumerate(x.axes) if i not in drop)
+    prim = eqn.primitive.name
+    if prim in ('argmax', 'argmin') and len(drop) == 1:
+      (axis,) = drop
+      dec = self._decision(eqn, prim, x.axes[axis], _shape(eqn.invars[0])[axis], x)
+      if dec is not None:
+        return [_Info(axes, x.data, x.routed | {dec}, dec)]
+    return [_Info(axes, x.data, x.routed)]
+
+  def _select(self, eqn: Any, ins: list[_Info], axis: int) -> list[_Info]:
+    """top_k-like: values and indices of the best `k` along `axis`."""
+    x = ins[0]
+    axes = tuple(_EMPTY if i == axis else a for i, a in enumerate(x.axes))
+    n = _shape(eqn.invars[0])[axis]
+    dec = self._decision(eqn, eqn.primitive.name, x.axes[axis], n, x)
+    if dec is None:
+      return [_Info(axes, x.data, x.routed) for _ in eqn.outvars]
+    routed = x.routed | {dec}
+    return [_Info(axes, x.data, routed), _Info(axes, x.data, routed, dec)]
+
+  def _top_k(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    ndim = len(_shape(eqn.invars[0]))
+    return self._select(eqn, ins, eqn.params.get('axis', -1) % ndim)
+
+  def _approx_top_k(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    ndim = len(_shape(eqn.invars[0]))
+    return self._select(eqn, ins, eqn.params.get('reduction_dimension', -1) % ndim)
+
+  def _sort(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    dim, nkeys = eqn.params['dimension'], eqn.params.get('num_keys', 1)
+    data, routed = self._common(ins)
+    axes = [frozenset().union(*(x.axes[ax] for x in ins)) if ax != dim else _EMPTY
+            for ax in range(len(ins[0].axes))]
+    keys = ins[:nkeys]
+    n = _shape(eqn.invars[0])[dim]
+    dec = None
+    for k in keys:
+      dec = self._decision(eqn, 'sort', k.axes[dim], n, k)
+      if dec is not None:
+        break
+    if dec is not None:  # argsort of the logits: the permutation holds expert ids
+      routed = routed | {dec}
+      return [_Info(tuple(axes), data, routed, dec if x.iota == dim else None)
+              for x in ins]
+    keyed = frozenset().union(*(k.routed for k in keys))
+    if keyed:  # sorting by routed keys (expert ids) dispatches along `dim`
+      axes[dim] = frozenset(('d', d) for d in keyed)
+    return [_Info(tuple(axes), data, routed, x.eid if i < nkeys else None)
+            for i, x in enumerate(ins)]
+
+  # contractions
+
+  def _dot_general(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    lhs, rhs = ins[0], ins[1]
+    (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+    for a, b in zip(lb, rb):
+      self._meet(lhs.axes[a], rhs.axes[b], True, 'batch dim of a dot_general with '
+                 'dispatched tokens')
+      self._meet(rhs.axes[b], lhs.axes[a], True, 'batch dim of a dot_general with '
+                 'dispatched tokens')
+    for a, b in zip(lc, rc):
+      self._meet(lhs.axes[a], rhs.axes[b], False, 'contracted with expert-indexed weights')
+      self._meet(rhs.axes[b], lhs.axes[a], False, 'contracted with expert-indexed weights')
+    axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
+    axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
+    axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb]
+    data, routed = self._common(ins)
+    return [_Info(tuple(axes), data, routed)]
+
+  def _ragged_dot_general(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    lhs, rhs, sizes = ins[0], ins[1], ins[2]
+    numbers = eqn.params['ragged_dot_dimension_numbers']
+    (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
+    groups = tuple(numbers.rhs_group_dimensions)
+    for g in groups:
+      n = _shape(eqn.invars[1])[g]
+      decs = [d for d in sizes.routed if self.decision(d).num_experts == n] or [None]
+      for t in _params_of(rhs.axes[g]):
+        if self.shapes[t[0]][t[1]] == n:
+          for dec in decs:
+            self._bank(t, dec, 'group axis of a ragged_dot')
+    axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
+    axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
+    axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb
+             and i not in groups]
+    data, routed = self._common(ins)
+    if len(axes) != len(_shape(eqn.outvars[0])):
+      axes = list(_blank(len(_shape(eqn.outvars[0]))).axes)
+    return [_Info(tuple(axes), data, routed)]
+
+  def _gather(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x, idx = ins[0], ins[1]
+    dn = eqn.params['dimension_numbers']
+    sizes = eqn.params['slice_sizes']
+    src = _shape(eqn.invars[0])
+    if idx.eid is not None:
+      e = self.decision(idx.eid).num_experts
+      for axis in dn.start_index_map:
+        for t in _params_of(x.axes[axis]):
+          if self.shapes[t[0]][t[1]] == e:
+            self._bank(t, idx.eid, 'gathered by expert id')
+    out_shape = _shape(eqn.outvars[0])
+    kept = [d for d in range(len(src)) if d not in dn.collapsed_slice_dims
+            and d not in dn.operand_batching_dims]
+    idx_dims = [d for d in range(len(idx.axes)) if d != len(idx.axes) - 1]
+    batch_pos = [p for p in range(len(out_shape)) if p not in dn.offset_dims]
+    axes = [_EMPTY] * len(out_shape)
+    for p, d in zip(dn.offset_dims, kept):
+      if sizes[d] == out_shape[p]:
+        axes[p] = x.axes[d]
+    flags = frozenset(('d', d) for d in idx.routed)
+    pairs = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims))
+    for p, d in zip(batch_pos, idx_dims):
+      tokens = idx.axes[d] | flags
+      if d in pairs:
+        tokens = tokens | x.axes[pairs[d]]
+      axes[p] = tokens
+    data, routed = self._common(ins)
+    eid = x.eid if x.eid is not None else None
+    return [_Info(tuple(axes), data, routed, eid)]
+
+  def _scatter_any(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x, idx, upd = ins[0], ins[1], ins[2]
+    dn = eqn.params['dimension_numbers']
+    axes = list(x.axes)
+    window = [d for d in range(len(axes)) if d not in dn.inserted_window_dims
+              and d not in dn.operand_batching_dims]
+    for p, d in zip(dn.update_window_dims, window):
+      axes[d] = axes[d] | upd.axes[p]
+    shape = _shape(eqn.outvars[0])
+    for d in dn.scatter_dims_to_operand_dims:
+      axes[d] = axes[d] | frozenset(('d', r) for r in idx.routed)
+      if idx.eid is not None and len(dn.scatter_dims_to_operand_dims) == 1 and (
+          shape[d] == self.decision(idx.eid).num_experts):
+        axes[d] = axes[d] | {('e', idx.eid)}
+    data, routed = self._common(ins)
+    return [_Info(tuple(axes), data, routed)]
+
+  # control flow
+
+  def _fixpoint(self, body: Callable[[list[_Info]], list[_Info]], carry: list[_Info]
+                ) -> list[_Info]:
+    """Joins a loop's carried facts with the body's until nothing changes."""
+    for _ in range(16):
+      out = body(carry)
+      new = [_join(c, o) for c, o in zip(carry, out)]
+      if new == carry:
+        return new
+      carry = new
+    return carry
+
+  def _scan(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    p = eqn.params
+    jaxpr, consts = _closed(p['jaxpr'])
+    nc, nk = p['num_consts'], p['num_carry']
+    length = p['length']
+    xs = ins[nc + nk:]
+    for x in xs:
+      if not x.data and x.axes:  # a stack of parameters: the scanned axis is a layer axis
+        for t in _params_of(x.axes[0]):
+          self.scans[t] = length
+    sliced = [x._replace(axes=x.axes[1:], iota=None) for x in xs]
+    last: list[list[_Info]] = []
+
+    def body(carry: list[_Info]) -> list[_Info]:
+      last[:] = [self.run(jaxpr, ins[:nc] + carry + sliced, consts)]
+      return last[0][:nk]
+
+    carry = self._fixpoint(body, list(ins[nc:nc + nk]))
+    ys = last[0][nk:]
+    return carry + [y._replace(axes=(_EMPTY,) + y.axes, iota=None) for y in ys]
+
+  def _while(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    p = eqn.params
+    cn, bn = p['cond_nconsts'], p['body_nconsts']
+    cond, cond_consts = _closed(p['cond_jaxpr'])
+    body_jaxpr, body_consts = _closed(p['body_jaxpr'])
+    cconsts, bconsts = ins[:cn], ins[cn:cn + bn]
+
+    def body(carry: list[_Info]) -> list[_Info]:
+      self.run(cond, cconsts + carry, cond_consts)
+      return self.run(body_jaxpr, bconsts + carry, body_consts)
+
+    return self._fixpoint(body, list(ins[cn + bn:]))
+
+  def _cond(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    index, ops = ins[0], ins[1:]
+    outs = None
+    for branch in eqn.params['branches']:
+      jaxpr, consts = _closed(branch)
+      got = self.run(jaxpr, ops, consts)
+      outs = got if outs is None else [_join(a, b) for a, b in zip(outs, got)]
+    return [o._replace(data=o.data or index.data, routed=o.routed | index.routed)
+            for o in outs or []]
+
+
+# ---------------------------------------------------------------------------- the API
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) or (
+      hasattr(x, 'shape') and hasattr(x, 'dtype') and not isinstance(x, type))
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _axis_list(axes: Sequence[int]) -> str:
+  return ','.join(map(str, sorted(axes)))
+
+
+def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any
+                    ) -> Structure:
+  """Each parameter's tier and batch axes, from what `fn` computes with it.
+
+  Traces `fn(params, *args, **kwargs)` to a jaxpr with abstract values (nothing runs
+  on data) and follows every parameter leaf through the program, whatever it is
+  called and however it is stored (see the module docstring for the rules): the
+  parameters that produce the logits of a routing decision (`top_k`, `argmax`,
+  `approx_max_k`, an argsort) are the router, those whose axis of length E is batched,
+  contracted or gathered per expert are expert banks (that axis a batch axis), the
+  axes scanned over by a `scan` of parameters are layer axes (batch axes too), and
+  the rest is backbone. A routing decision that dispatches nothing (an `argmax` for an
+  accuracy metric) makes no router.
+
+  Args:
+    fn: the model's forward or loss function, called as `fn(params, *args, **kwargs)`.
+      For Flax NNX, split the model and merge inside: `graphdef, params, rest =
+      nnx.split(model, nnx.Param, ...)`, `fn = lambda p, x: nnx.merge(graphdef, p,
+      rest)(x)`; for Equinox, pass the model and `lambda m, x: m(x)`.
+    params: a pytree whose array leaves (arrays or `jax.ShapeDtypeStruct`s) are the
+      parameters; other leaves (an Equinox module's functions) are passed unchanged
+      and get no label.
+    *args: example inputs (arrays or `jax.ShapeDtypeStruct`s; other leaves static).
+    **kwargs: more example inputs, as `args`.
+
+  Returns:
+    A `Structure`: `.labels` and `.batch_axes` (trees like `params`) for
+    `sj.skewadam(lr, param_labels=..., batch_axes=...)`, `sj.label_table` and
+    `sj.memory_report`; `.format()` shows every leaf with its evidence, and
+    `.undecided` the leaves the analysis could not decide (labelled backbone).
+
+  Raises:
+    TypeError: if `fn` is not callable or `params` has no array leaf.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, skewadam_jax as sj
+    >>> def forward(p, x):
+    ...   probs = jax.nn.softmax(x @ p['w_a'])               # [T, E]
+    ...   top, idx = jax.lax.top_k(probs, 1)
+    ...   hid = jnp.einsum('td,edf->tef', x, p['w_b'])        # every expert
+    ...   mask = jax.nn.one_hot(idx[:, 0], 4) * top
+    ...   return jnp.einsum('tef,te->tf', hid, mask) @ p['w_c']
+    >>> p = {'w_a': jnp.zeros((8, 4)), 'w_b': jnp.zeros((4, 8, 16)),
+    ...      'w_c': jnp.zeros((16, 8))}
+    >>> s = sj.trace_structure(forward, p, jax.ShapeDtypeStruct((6, 8), jnp.float32))
+    >>> s.labels
+    {'w_a': 'router', 'w_b': 'experts', 'w_c': 'backbone'}
+    >>> s.batch_axes['w_b']
+    (0,)
+  """
+  if not callable(fn):
+    raise TypeError(f'`fn` must be the model\'s forward or loss function, got '
+                    f'{type(fn).__name__}.')
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  is_param = [_is_array(x) for _, x in flat]
+  if not any(is_param):
+    raise TypeError('`params` must be a pytree with array (or jax.ShapeDtypeStruct) '
+                    f'leaves, got {type(params).__name__} with none.')
+  leaves = [x for _, x in flat]
+  pidx = [i for i, ok in enumerate(is_param) if ok]
+  paths = [_tree.path_str(flat[i][0]) for i in pidx]
+  shapes = [tuple(int(d) for d in np.shape(leaves[i])) for i in pidx]
+  arg_flat, arg_def = jax.tree_util.tree_flatten((args, kwargs))
+  aidx = [i for i, x in enumerate(arg_flat) if _is_array(x)]
+
+  def traced(*arrays: Any) -> Any:
+    merged = list(leaves)
+    for i, a in zip(pidx, arrays[:len(pidx)]):
+      merged[i] = a
+    inputs = list(arg_flat)
+    for i, a in zip(aidx, arrays[len(pidx):]):
+      inputs[i] = a
+    call_args, call_kwargs = jax.tree_util.tree_unflatten(arg_def, inputs)
+    return fn(jax.tree_util.tree_unflatten(treedef, merged), *call_args, **call_kwargs)
+
+  closed = jax.make_jaxpr(traced)(*[_abstract(leaves[i]) for i in pidx],
+                                  *[_abstract(arg_flat[i]) for i in aidx])
+  jaxpr = closed.jaxpr
+  infos = [_Info(tuple(frozenset({(k, a)}) for a in range(len(shapes[k]))))
+           for k in range(len(pidx))]
+  infos += [_Info(_blank(len(_shape(v))).axes, data=True) for v in jaxpr.invars[len(pidx):]]
+
+  analysis = _Analysis(shapes)
+  analysis.run(jaxpr, infos, closed.consts)  # first pass: the decisions and routers
+  for dec, key in enumerate(analysis.order):
+    for token in analysis.decisions[key].routers:
+      analysis.router_tokens.setdefault(token, set()).add(dec)
+  analysis.banks.clear()
+  analysis.run(jaxpr, infos, closed.consts)  # second pass: the logits index experts
+
+  read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex_core.Literal)}
+  read |= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  return _decide(analysis, paths, shapes, [v in read for v in jaxpr.invars[:len(pidx)]],
+                 treedef, pidx, len(leaves))
+
+
+def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]],
+            used: list[bool], treedef: Any, pidx: list[int], n_leaves: int) -> Structure:
+  """Turns the analysis' findings into a tier and batch axes per leaf."""
+  confirmed = sorted({d for why in analysis.banks.values() for decs in why.values()
+                      for d in decs if d is not None})
+  routers: dict[int, set[int]] = {}  # leaf -> confirmed decisions it routes
+  candidates: dict[int, set[int]] = {}
+  for dec, key in enumerate(analysis.order):
+    for leaf, _ in analysis.decisions[key].routers:
+      (routers if dec in confirmed else candidates).setdefault(leaf, set()).add(dec)
+  rows, undecided = [], {}
+  for k, (path, shape) in enumerate(zip(paths, shapes)):
+    layers = tuple(sorted(a for (leaf, a) in analysis.scans if leaf == k))
+    found = {a: why for (leaf, a), why in analysis.banks.items() if leaf == k}
+    notes = []
+    if layers:
+      notes.append(f'scanned over axis {_axis_list(layers)} (length '
+                   f'{", ".join(str(analysis.scans[(k, a)]) for a in layers)})')
+    expert_axis = None
+    if k in routers:
+      tier = ROUTER
+      decs = sorted(routers[k])
+      d = analysis.decision(decs[0])
+      notes.insert(0, f'produces the logits of {d.primitive} over E={d.num_experts} experts')
+    elif found:
+      tier = EXPERTS
+      expert_axis = max(sorted(found), key=lambda a: sum(len(v) for v in found[a].values()))
+      reasons = sorted(found[expert_axis])
+      notes.insert(0, f'axis {expert_axis} (E={shape[expert_axis]}) ' + '; '.join(reasons))
+      if len(found) > 1:
+        undecided[path] = (f'axes {_axis_list(found)} all index experts; chose axis '
+                           f'{expert_axis}')
+    else:
+      tier = BACKBONE
+      notes.insert(0, 'dense')
+      if not used[k]:
+        undecided[path] = 'fn never reads it'
+      elif k in candidates:
+        d = analysis.decision(min(candidates[k]))
+        undecided[path] = (f'produces the logits of {d.primitive} over {d.num_experts} '
+                           'that dispatches no parameter: not a router?')
+      elif k in analysis.opaque:
+        undecided[path] = ('reaches ' + ', '.join(sorted(analysis.opaque[k])) +
+                           ', which the analysis does not see into')
+    axes = set(layers) | ({expert_axis} if expert_axis is not None else set())
+    rows.append(LeafStructure(path=path, shape=shape, tier=tier,
+                              batch_axes=tuple(sorted(axes)), evidence='; '.join(notes),
+                              expert_axis=expert_axis, layer_axes=layers))
+  labels: list[Any] = [None] * n_leaves
+  batch_axes: list[Any] = [None] * n_leaves
+  for i, row in zip(pidx, rows):
+    labels[i], batch_axes[i] = row.tier, row.batch_axes
+  decisions = []
+  for dec in confirmed:
+    d = analysis.decision(dec)
+    decisions.append(RoutingDecision(
+        primitive=d.primitive, num_experts=d.num_experts,
+        routers=tuple(paths[k] for k in sorted(routers) if dec in routers[k]),
+        experts=tuple(sorted({paths[leaf] for (leaf, _), why in analysis.banks.items()
+                              if any(dec in v for v in why.values())
+                              and rows[leaf].tier == EXPERTS}))))
+  return Structure(labels=jax.tree_util.tree_unflatten(treedef, labels),
+                   batch_axes=jax.tree_util.tree_unflatten(treedef, batch_axes),
+                   leaves=tuple(rows), decisions=tuple(decisions), undecided=undecided)
+

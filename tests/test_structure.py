@@ -1,0 +1,344 @@
+"""Tests of `sj.trace_structure`: tiers and batch axes read from the traced computation."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import skewadam_jax as sj
+import moe_models
+import structure_models
+
+D, E, F, T = 8, 4, 12, 10
+X = jax.ShapeDtypeStruct((T, D), jnp.float32)
+
+
+def _tiers(result):
+  return {leaf.path: leaf.tier for leaf in result.leaves}
+
+
+def _axes(result):
+  return {leaf.path: leaf.batch_axes for leaf in result.leaves}
+
+
+def _routed(x, logits, pick='top_k'):
+  """Routing weights [T, E]: one-hot of the chosen experts times their probabilities."""
+  probs = jax.nn.softmax(logits)
+  if pick == 'top_k':
+    top, idx = jax.lax.top_k(probs, 2)
+    return jnp.einsum('tke,tk->te', jax.nn.one_hot(idx, E), top)
+  return jax.nn.one_hot(jnp.argmax(logits, -1), E) * probs
+
+
+# ---------------------------------------------------------------------------- models
+
+
+@pytest.fixture(scope='module', params=sorted(structure_models.CASES))
+def case(request):
+  return structure_models.CASES[request.param]()
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_model_paths_are_uninformative(case):
+  for path in case.tiers:
+    assert not any(word in path.lower() for word in structure_models.FORBIDDEN), path
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_model_tiers_and_batch_axes_match_the_truth(case):
+  result = sj.trace_structure(case.fn, case.params, *case.args)
+  assert set(_tiers(result)) == set(case.tiers)
+  wrong_tiers = {p: t for p, t in _tiers(result).items() if t != case.tiers[p]}
+  wrong_axes = {p: a for p, a in _axes(result).items() if a != case.axes[p]}
+  assert wrong_tiers == {} and wrong_axes == {}, result.format()
+  assert result.undecided == {}
+  assert len(result.decisions) == 1 and result.decisions[0].num_experts == E
+
+
+@pytest.mark.slow
+def test_model_trains_with_skewadam_under_jit(case):
+  result = sj.trace_structure(case.fn, case.params, *case.args)
+  params = case.params
+  is_eqx = isinstance(params, eqx.Module)
+  trainable = eqx.filter(params, eqx.is_array) if is_eqx else params
+  tx = sj.skewadam(1e-2, param_labels=result.labels, batch_axes=result.batch_axes)
+
+  def loss(p):
+    model = eqx.combine(p, params) if is_eqx else p
+    out = case.fn(model, *case.args)
+    return jnp.mean(jnp.square(out - 1.0))
+
+  @jax.jit
+  def step(p, state):
+    value, grads = jax.value_and_grad(loss)(p)
+    updates, state = tx.update(grads, state, p)
+    return optax.apply_updates(p, updates), state, value
+
+  state = tx.init(trainable)
+  p, losses = trainable, []
+  for _ in range(3):
+    p, state, value = step(p, state)
+    losses.append(float(value))
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_result_is_accepted_by_label_table_and_memory_report():
+  case = structure_models.nested_case()
+  result = sj.trace_structure(case.fn, case.params, *case.args)
+  rows = sj.label_table(case.params, param_labels=result.labels, batch_axes=result.batch_axes)
+  assert {r.path: r.tier for r in rows} == case.tiers
+  assert {r.path: r.batch_axes for r in rows} == case.axes
+  report = sj.memory_report(case.params, sj.skewadam(1e-3, param_labels=result.labels,
+                                                      batch_axes=result.batch_axes),
+                            param_labels=result.labels)
+  assert {t.tier for t in report.tiers} == {'backbone', 'experts', 'router'}
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_format_shows_every_leaf_with_its_evidence():
+  case = structure_models.ragged_case()
+  text = sj.trace_structure(case.fn, case.params, *case.args).format()
+  for path in case.tiers:
+    assert path in text
+  assert 'group axis of a ragged_dot' in text and 'scanned over axis 0' in text
+  assert 'top_k over E=4' in text
+
+
+# ---------------------------------------------------------------------------- the repo's models
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_example_moe_lm_matches_the_name_based_labels():
+  from examples.moe_lm import model as lm  # noqa: PLC0415
+  model = lm.MoELM(lm.get_config('tiny'), rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def fn(p, tokens):
+    return lm.loss_fn(nnx.merge(graphdef, p, rest), tokens, train=True,
+                      rngs=jax.random.key(0))[0]
+
+  result = sj.trace_structure(fn, params, jax.ShapeDtypeStruct((2, 9), jnp.int32))
+  names = sj.moe_param_labels(params)
+  assert jax.tree.leaves(result.labels) == jax.tree.leaves(names)
+  assert _axes(result)['blocks/1/moe/experts/w1'] == (0,)
+  assert [d.routers for d in result.decisions] == [('blocks/1/moe/router/kernel',)]
+  assert result.undecided == {}
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_nnx_test_model_matches_the_name_based_labels():
+  model = moe_models.NNXMoELM(nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  fn = lambda p, t: moe_models.nnx_lm_loss(nnx.merge(graphdef, p), t)  # noqa: E731
+  result = sj.trace_structure(fn, params, moe_models.copy_task_batch())
+  assert _tiers(result) == moe_models.NNX_EXPECTED
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_linen_test_model_without_routing_is_all_backbone():
+  # LinenMoELM computes router logits but never routes with them (its `experts` see
+  # every token): from the computation, nothing is a router or an expert bank.
+  model = moe_models.LinenMoELM()
+  tokens = moe_models.copy_task_batch()
+  params = model.init(jax.random.key(0), tokens)
+  result = sj.trace_structure(lambda p, t: model.apply(p, t), params, tokens)
+  assert set(_tiers(result).values()) == {'backbone'}
+  assert result.decisions == ()
+  assert sj.moe_param_labels(params)['params']['router']['kernel'] == 'router'
+
+
+# ---------------------------------------------------------------------------- primitives
+
+
+def test_router_and_bank_with_one_hot_einsum():
+  def fn(p, x):
+    w = _routed(x, x @ p['a'])
+    hid = jnp.einsum('td,edf->tef', x, p['b'])
+    return jnp.einsum('tef,te->tf', hid, w)
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.batch_axes == {'a': (), 'b': (0,)}
+
+
+def test_decision_that_dispatches_nothing_makes_no_router():
+  def fn(p, x):
+    logits = jnp.einsum('td,ed->te', x, p['a']) + p['ab']
+    return jnp.einsum('tdf,te->tf', jnp.einsum('td,edf->tdf', x, p['b']),
+                      _routed(x, logits))
+
+  p = {'a': jnp.zeros((E, D)), 'ab': jnp.zeros((E,)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'backbone', 'ab': 'backbone', 'b': 'backbone'}
+  # `b`'s expert axis is contracted away against x, never aligned with the routing:
+  # nothing is dispatched, so the decision makes no router and is reported.
+  assert result.decisions == ()
+  assert set(result.undecided) == {'a', 'ab'}
+
+
+def test_argmax_router_with_gather_by_expert_id():
+  def fn(p, x):
+    choice = jnp.argmax(x @ p['a'], axis=-1)
+    return jnp.einsum('td,tdf->tf', x, p['b'][choice])
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert 'gathered by expert id' in result.by_path['b'].evidence
+  assert result.decisions[0].primitive == 'argmax'
+
+
+def test_argsort_of_logits_is_a_routing_decision():
+  def fn(p, x):
+    best = jnp.argsort(-(x @ p['a']), axis=-1)[:, 0]
+    return jnp.einsum('td,tdf->tf', x, p['b'][best])
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.decisions[0].primitive == 'sort'
+
+
+def test_approx_max_k_router():
+  def fn(p, x):
+    _, idx = jax.lax.approx_max_k(x @ p['a'], 1)
+    return jnp.einsum('td,tdf->tf', x, p['b'][idx[:, 0]])
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  assert sj.trace_structure(fn, p, X).labels == {'a': 'router', 'b': 'experts'}
+
+
+def test_dynamic_slice_by_expert_id():
+  def fn(p, x):
+    e = jnp.argmax(jnp.sum(x @ p['a'], 0))  # one expert for the whole batch
+    return x @ jax.lax.dynamic_index_in_dim(p['b'], e, keepdims=False)
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.batch_axes['b'] == (0,)
+
+
+def test_ragged_dot_group_axis():
+  def fn(p, x):
+    _, idx = jax.lax.top_k(x @ p['a'], 1)
+    order = jnp.argsort(idx[:, 0])
+    sizes = jnp.bincount(idx[:, 0], length=E)
+    return jax.lax.ragged_dot(x[order], p['b'], sizes)
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.batch_axes['b'] == (0,)
+
+
+def test_bank_at_axis_two_through_transpose():
+  def fn(p, x):
+    w = jnp.transpose(p['b'], (2, 0, 1))  # stored [D, F, E]
+    return jnp.einsum('tef,te->tf', jnp.einsum('td,edf->tef', x, w), _routed(x, x @ p['a']))
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((D, F, E))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels['b'] == 'experts' and result.batch_axes['b'] == (2,)
+
+
+def test_scanned_axis_through_reshape_and_slice():
+  def fn(p, x):
+    stack = p['w'].reshape(D, 3, 2 * D)[:, :, :D]  # [D, L, D]
+    stack = jnp.moveaxis(stack, 1, 0)
+    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, stack)[0]
+
+  result = sj.trace_structure(fn, {'w': jnp.zeros((D, 3 * 2 * D))}, X)
+  # The layer axis is merged into the stored axis 1 (3 * 2D): it survives as no axis
+  # of its own, so the leaf gets no batch axis rather than a wrong one.
+  assert result.batch_axes == {'w': ()}
+  result = sj.trace_structure(fn, {'w': jnp.zeros((D, 3, 2 * D))}, X)
+  assert result.batch_axes == {'w': (1,)}
+
+
+def test_scan_over_inputs_is_not_a_layer_axis():
+  def fn(p, xs):  # an RNN over time: the scanned axis is the sequence
+    pos = xs + p['pos']
+    return jax.lax.scan(lambda c, x: (jnp.tanh(c @ p['w'] + x), None), xs[0], pos)[0]
+
+  p = {'pos': jnp.zeros((T, D)), 'w': jnp.zeros((D, D))}
+  assert sj.trace_structure(fn, p, X).batch_axes == {'pos': (), 'w': ()}
+
+
+def test_broadcast_params_of_a_scan_are_not_stacked():
+  def fn(p, x):
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ p['w']), None), x, None, length=3)[0]
+
+  assert sj.trace_structure(fn, {'w': jnp.zeros((D, D))}, X).batch_axes == {'w': ()}
+
+
+def test_sees_through_cond_while_remat_custom_jvp_and_jit():
+  @jax.custom_jvp
+  def act(v):
+    return jnp.tanh(v)
+
+  act.defjvp(lambda primals, tangents: (act(primals[0]), tangents[0]))
+
+  @jax.jit
+  @jax.checkpoint
+  def fn(p, x, flag):
+    def body(i, c):
+      logits = jax.lax.cond(flag > 0, lambda h: h @ p['a'], lambda h: -(h @ p['a']), c)
+      w = _routed(c, logits, pick='argmax')
+      return act(jnp.einsum('tef,te->tf', jnp.einsum('td,efd->tef', c, p['b']), w))
+    return jax.lax.fori_loop(0, 2, body, x)
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, D))}
+  result = sj.trace_structure(fn, p, X, jnp.ones((), jnp.int32))
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.batch_axes == {'a': (), 'b': (0,)}
+
+
+def test_argmax_metric_is_not_a_router():
+  def fn(p, x, labels):
+    logits = jnp.tanh(x @ p['w']) @ p['head']
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean() + accuracy
+
+  p = {'w': jnp.zeros((D, D)), 'head': jnp.zeros((D, 5))}
+  result = sj.trace_structure(fn, p, X, jnp.zeros((T,), jnp.int32))
+  assert result.labels == {'w': 'backbone', 'head': 'backbone'}
+  assert result.decisions == ()
+  assert 'dispatches no parameter' in result.undecided['head']
+
+
+def test_unread_and_opaque_leaves_are_undecided():
+  def fn(p, x):
+    y = jax.pure_callback(lambda a: np.zeros((3,), np.float32),
+                          jax.ShapeDtypeStruct((3,), jnp.float32), x @ p['w'])
+    return y.sum()
+
+  p = {'w': jnp.zeros((D, D)), 'spare': jnp.zeros((D,))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'w': 'backbone', 'spare': 'backbone'}
+  assert 'never reads' in result.undecided['spare']
+  assert 'pure_callback' in result.undecided['w']
+
+
+def test_shape_dtype_struct_params_and_static_leaves():
+  def fn(p, x, *, scale):
+    w = _routed(x, x @ p['a'])
+    return p['act'](jnp.einsum('tef,te->tf', jnp.einsum('td,edf->tef', x, p['b']), w)) * scale
+
+  p = {'a': jax.ShapeDtypeStruct((D, E), jnp.float32), 'act': jax.nn.relu,
+       'b': jax.ShapeDtypeStruct((E, D, F), jnp.bfloat16)}
+  result = sj.trace_structure(fn, p, X, scale=2.0)
+  assert result.labels == {'a': 'router', 'act': None, 'b': 'experts'}
+  assert [leaf.path for leaf in result.leaves] == ['a', 'b']
+
+
+def test_bad_arguments_raise():
+  with pytest.raises(TypeError, match='`fn`'):
+    sj.trace_structure('forward', {'w': jnp.zeros(2)})
+  with pytest.raises(TypeError, match='`params`'):
+    sj.trace_structure(lambda p: p, {'w': 'not an array'})

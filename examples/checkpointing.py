@@ -26,16 +26,36 @@ and a bitwise comparison::
 
 `examples/sharded_moe.py --ckpt-dir DIR --save-at N` / `--resume N` uses the same
 helpers on a device mesh.
+
+Training that survives a crash: `TrainCheckpointer` wraps Orbax's `CheckpointManager`
+(one directory per step, written to a temporary directory and renamed when complete,
+asynchronously by default) and adds what a restart needs:
+
+* after Orbax commits a step, a manifest (`integrity.sha256.json`: size and sha256 of
+  every file) is written into it, atomically; a step without one is incomplete;
+* `restore` takes the newest step whose files all match their manifest, says which
+  newer steps it skipped and why (incomplete, truncated, corrupted), moves them aside
+  to `DIR/damaged/`, and stops with a clear error if steps exist but none is intact;
+* before reading any array it compares the checkpoint's tree with the state this
+  optimizer builds (`skewadam_jax.check_checkpoint_matches`), so a checkpoint of
+  another optimizer, tier policy, labels or group size is an error naming what differs.
+
+`examples/moe_lm/train.py --ckpt-dir DIR --ckpt-every N` and
+`examples/sharded_moe.py --ckpt-dir DIR --ckpt-every N` use it: the same command,
+rerun after a crash, resumes from the last intact step and ends bitwise where an
+uninterrupted run ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 from pathlib import Path
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 from jax.sharding import Mesh
@@ -107,6 +127,255 @@ def restore_checkpoint(path: str | os.PathLike[str], target: Any) -> Any:
     The restored pytree, with `target`'s structure and shardings.
   """
   return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+
+
+# ----------------------------------------------------------------------------- crash-safe training
+
+MANIFEST = 'integrity.sha256.json'  # written into a step directory once Orbax committed it
+# Orbax rewrites the step's metadata (timestamps) after the files are final: it is not
+# hashed, only required to be JSON (it holds no arrays).
+UNHASHED = ('_CHECKPOINT_METADATA',)
+DAMAGED_DIR = 'damaged'  # where restore moves the steps it cannot use
+
+
+def _sha256(path: Path) -> str:
+  h = hashlib.sha256()
+  with path.open('rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      h.update(block)
+  return h.hexdigest()
+
+
+def write_manifest(step_dir: str | os.PathLike[str]) -> None:
+  """Writes `step_dir/MANIFEST` (size and sha256 of every file), atomically."""
+  step_dir = Path(step_dir)
+  files = {p.relative_to(step_dir).as_posix(): {'bytes': p.stat().st_size, 'sha256': _sha256(p)}
+           for p in sorted(step_dir.rglob('*'))
+           if p.is_file() and p.name != MANIFEST and p.name not in UNHASHED}
+  tmp = step_dir / (MANIFEST + '.tmp')
+  with tmp.open('w') as f:
+    json.dump({'files': files}, f, indent=0)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, step_dir / MANIFEST)  # readers see no manifest or the whole one
+
+
+def verify_step(step_dir: str | os.PathLike[str]) -> Optional[str]:
+  """Why the step directory cannot be restored (None: every file matches its manifest)."""
+  step_dir = Path(step_dir)
+  try:
+    files = json.loads((step_dir / MANIFEST).read_text())['files']
+  except FileNotFoundError:
+    return 'incomplete: its save did not finish (no integrity manifest)'
+  except (ValueError, KeyError, TypeError):
+    return f'damaged: its manifest {MANIFEST} is unreadable'
+  for name, want in files.items():
+    path = step_dir / name
+    if not path.is_file():
+      return f'damaged: {name} is missing'
+    size = path.stat().st_size
+    if size != want['bytes']:
+      return f'damaged: {name} has {size} bytes, {want["bytes"]} were written (truncated?)'
+    if _sha256(path) != want['sha256']:
+      return f'damaged: {name} does not match its sha256 (corrupted bytes)'
+  for name in UNHASHED:
+    try:
+      json.loads((step_dir / name).read_text())
+    except FileNotFoundError:
+      return f'damaged: {name} is missing'
+    except ValueError:
+      return f'damaged: {name} is not valid JSON (truncated or corrupted)'
+  return None
+
+
+def fingerprint(tree: Any) -> str:
+  """sha256 of every leaf's bytes, shape and dtype: equal trees, equal fingerprints.
+
+  Needs the whole arrays on this host (one process, or gathered first).
+  """
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    x = np.asarray(leaf)
+    h.update(f'{jax.tree_util.keystr(path)}:{x.dtype}:{x.shape};'.encode())
+    h.update(x.tobytes())
+  return h.hexdigest()[:16]
+
+
+class TrainCheckpointer:
+  """Saves `{'params', 'opt_state'}` every `every` steps; restores the newest intact step.
+
+  A thin layer over `ocp.CheckpointManager` with two items per step: `state` (the
+  arrays, Orbax's standard format) and `record` (a JSON dict, e.g. the loss history).
+  What it adds, and why:
+
+  * Orbax writes a step to `<step>.orbax-checkpoint-tmp` and renames it when complete,
+    so a kill during a save leaves no step behind, but nothing detects a step whose
+    files were truncated or corrupted afterwards: the manifest does.
+  * `restore` never returns a partial or damaged step: it falls back to the newest
+    intact one (printing which steps it skipped and why), or raises if there is none.
+  * The tree is checked against the restore target before anything is read.
+
+  Every RNG, batch and schedule of the loop must be a function of the step (not of how
+  many steps this process ran) for a resumed run to equal an uninterrupted one.
+
+  Args:
+    directory: the run's checkpoint directory (created if needed).
+    every: save after every `every`-th step (and wherever `save(force=True)`).
+    keep: how many of the newest steps to keep (the older are deleted).
+    use_async: write in a background thread while training continues (Orbax copies
+      the arrays to host memory before `save` returns, so donated buffers are safe).
+    log: where progress lines go (`print` by default).
+    show_fingerprints: also log `fingerprint` of the saved and restored trees (a host
+      copy of every array; for tests and tools/crash_resume.py).
+  """
+
+  def __init__(self, directory: str | os.PathLike[str], *, every: int, keep: int = 3,
+               use_async: bool = True, log: Callable[[str], None] = print,
+               show_fingerprints: bool = False):
+    if every < 1:
+      raise ValueError(f'`every` (steps between checkpoints) must be >= 1, not {every}.')
+    if keep < 1:
+      raise ValueError(f'`keep` (checkpoints kept) must be >= 1, not {keep}.')
+    self.directory = Path(directory).absolute()
+    self.every = every
+    self.use_async = use_async
+    self.show_fingerprints = show_fingerprints
+    self._log = log
+    self._saving: Optional[int] = None  # the step whose async save is in flight
+    self._is_writer = jax.process_index() == 0
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+        enable_async_checkpointing=use_async,
+        async_options=(ocp.AsyncOptions(post_finalization_callback=self._committed)
+                       if use_async else None))
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={'state': ocp.StandardCheckpointHandler(),
+                       'record': ocp.JsonCheckpointHandler()})
+
+  # --------------------------------------------------------------------------- save
+
+  def _committed(self) -> None:
+    """Runs once Orbax has written the step in flight: its manifest makes it complete.
+
+    Asynchronously Orbax calls it from its background thread after the files are
+    finalised and before it renames `<step>.orbax-checkpoint-tmp` to `<step>`, so the
+    manifest lands in the temporary directory and the rename publishes both at once.
+    """
+    step, self._saving = self._saving, None
+    if step is None:
+      return
+    if self._is_writer:
+      final = self.directory / str(step)
+      tmp = sorted(self.directory.glob(f'{step}.orbax-checkpoint-tmp*'))
+      where = final if final.is_dir() else tmp[0] if tmp else None
+      if where is None:  # never restored then: a step without a manifest is incomplete
+        self._log(f'checkpoint: step {step} written but not found; no manifest')
+        return
+      write_manifest(where)
+    self._log(f'checkpoint: step {step} complete')
+
+  def save(self, step: int, state: Any, record: Optional[dict[str, Any]] = None, *,
+           force: bool = False) -> bool:
+    """Saves `state` (and the JSON `record`) as `step` if due; returns whether it did."""
+    if not force and step % self.every:
+      return False
+    if step in self.manager.all_steps():
+      return False
+    self.manager.wait_until_finished()  # one save in flight at a time
+    if self.show_fingerprints:
+      self._log(f'checkpoint: step {step} fingerprint {fingerprint(state)}')
+    self._log(f'checkpoint: saving step {step}' + (' (async)' if self.use_async else ''))
+    self._saving = step
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record or {})),
+        force=True)
+    if not self.use_async:
+      self._committed()
+    return True
+
+  def wait(self) -> None:
+    """Blocks until the save in flight (if any) is complete, manifest included."""
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+  # --------------------------------------------------------------------------- restore
+
+  def _barrier(self, name: str) -> None:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(name)
+
+  def _move_aside(self, step: int) -> None:
+    """Moves a step the run cannot use to `DIR/damaged/<step>[.n]` (kept for a look)."""
+    dest = self.directory / DAMAGED_DIR / str(step)
+    n = 0
+    while dest.exists():
+      n += 1
+      dest = self.directory / DAMAGED_DIR / f'{step}.{n}'
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(self.directory / str(step), dest)
+
+  def restore(self, target: Any, *, step: Optional[int] = None
+              ) -> Optional[tuple[int, Any, dict[str, Any]]]:
+    """`(step, state, record)` of the newest intact step, or None if there is no step.
+
+    Args:
+      target: the abstract state, `{'params': ..., 'opt_state': ...}` of sharded
+        `jax.ShapeDtypeStruct`s (see `abstract_target`).
+      step: restore exactly this step (an error if it is missing or not intact).
+
+    Raises:
+      ValueError: the checkpoint was written by another optimizer, tier policy, labels
+        or group size (`skewadam_jax.check_checkpoint_matches`).
+      RuntimeError: steps exist but none is intact, or `step` is not intact.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if step is not None:
+      if step not in steps:
+        raise RuntimeError(f'No checkpoint of step {step} in {self.directory} '
+                           f'(steps: {sorted(steps) or "none"}).')
+      steps = [step]
+    chosen, skipped = None, []
+    for s in steps:
+      why = verify_step(self.directory / str(s))
+      if why is None:
+        chosen = s
+        break
+      skipped.append(s)
+      self._log(f'checkpoint: step {s} in {self.directory} is {why}; '
+                + ('not restoring it' if step is not None else 'trying the one before'))
+    self._barrier('skewadam_verify_steps')
+    if skipped and step is None and chosen is not None:
+      if self._is_writer:
+        for s in skipped:
+          self._move_aside(s)
+      self._barrier('skewadam_move_damaged')
+      self.manager.reload()
+      self._log(f'checkpoint: moved step(s) {", ".join(map(str, skipped))} to '
+                f'{self.directory / DAMAGED_DIR}')
+    if chosen is None and step is not None:
+      raise RuntimeError(f'Checkpoint step {step} in {self.directory} is {why}; not restoring it.')
+    if chosen is None:
+      if skipped:
+        raise RuntimeError(
+            f'No intact checkpoint in {self.directory}: step(s) '
+            f'{", ".join(map(str, skipped))} are incomplete or damaged (see above). '
+            'Refusing to train from them; remove them (or the directory) to start afresh.')
+      return None
+    metadata = self.manager.item_metadata(chosen)['state']
+    sj.check_checkpoint_matches(target, metadata,
+                                source=f'Checkpoint step {chosen} in {self.directory}')
+    restored = self.manager.restore(chosen, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
+    state, record = restored['state'], restored['record'] or {}
+    self._log(f'checkpoint: restored step {chosen} from {self.directory}')
+    if self.show_fingerprints:
+      self._log(f'checkpoint: restored step {chosen} fingerprint {fingerprint(state)}')
+    return chosen, state, record
 
 
 # ----------------------------------------------------------------------------- demo

@@ -14,6 +14,12 @@ is imported). Run from the repository root::
   python examples/sharded_moe.py --optimizer adampm --steps 50 --preset small
   python examples/sharded_moe.py --ckpt-dir /tmp/moe_ckpt --save-at 10
   python examples/sharded_moe.py --ckpt-dir /tmp/moe_ckpt --resume 10 --mesh 4,2
+  python examples/sharded_moe.py --ckpt-dir /tmp/moe_run --ckpt-every 5 --steps 40
+
+With `--ckpt-dir` and no `--resume`, a run resumes from the newest intact checkpoint in
+the directory (a damaged or incomplete newest step is skipped and moved aside), so the
+last command, rerun after a crash, ends bitwise where an uninterrupted run ends: the
+batches and the router noise are functions of `(seed, step)`.
 
 (Underscore spellings such as `--ckpt_dir` and `--save_at` work too.)
 
@@ -77,9 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
   _cli.option(parser, '--group-size', type=int, default=8, help='AdamPM group size')
   _cli.option(parser, '--data-dir', default=None, help='text directory; unset: the stdlib')
   _cli.option(parser, '--ckpt-dir', default=None,
-              help='checkpoint directory (one subdirectory per step); needed by '
-                   '--save-at and --resume')
+              help='checkpoint directory (one subdirectory per step); a run resumes from '
+                   'its newest intact step unless --resume names one')
   _cli.option(parser, '--save-at', type=int, default=None, help='save after this step')
+  _cli.option(parser, '--ckpt-every', type=int, default=None,
+              help='save every this many steps and after the last')
+  _cli.option(parser, '--ckpt-keep', type=int, default=3,
+              help='checkpoints kept (the older are deleted)')
+  _cli.option(parser, '--sync-ckpt', action='store_true',
+              help='save synchronously; by default Orbax saves asynchronously, training '
+                   'while a background thread writes')
+  _cli.option(parser, '--ckpt-fingerprints', action='store_true',
+              help='print a sha256 of params + state at every save and restore (used by '
+                   'tools/crash_resume.py)')
   _cli.option(parser, '--resume', type=int, default=None,
               help='restore this step from --ckpt-dir, then train to --steps')
   _cli.option(parser, '--seed', type=int, default=0, help='weights, batches and router noise')
@@ -90,9 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   """The flags, checked together (exits with a usage error, as argparse does)."""
   parser = build_parser()
   args = parser.parse_args(argv)
-  for flag, value in (('--resume', args.resume), ('--save-at', args.save_at)):
+  for flag, value in (('--resume', args.resume), ('--save-at', args.save_at),
+                      ('--ckpt-every', args.ckpt_every)):
     if value is not None and args.ckpt_dir is None:
       parser.error(f'{flag} needs --ckpt-dir, the directory of the checkpoints')
+  for flag, value in (('--ckpt-every', args.ckpt_every), ('--ckpt-keep', args.ckpt_keep)):
+    if value is not None and value < 1:
+      parser.error(f'{flag} must be >= 1, not {value}')
   start = args.resume or 0
   if not 0 <= start <= args.steps:
     parser.error(f'--resume {start} is outside 0..--steps ({args.steps})')
@@ -213,12 +233,18 @@ def main(argv: list[str] | None = None) -> None:
   params = jax.device_put(params, param_sh)
   rest = jax.device_put(rest, rest_sh)
   opt_state = jax.jit(tx.init, out_shardings=state_sh)(params)
-  start = 0
-  if args.resume is not None:
+  start, ckpt = 0, None
+  if args.ckpt_dir is not None:
+    ckpt = checkpointing.TrainCheckpointer(
+        args.ckpt_dir, every=args.ckpt_every or args.steps + 1, keep=args.ckpt_keep,
+        use_async=not args.sync_ckpt, show_fingerprints=args.ckpt_fingerprints,
+        log=lambda line: print(line, flush=True))
     target = checkpointing.abstract_target(tx, abstract_params, param_sh)
-    restored = checkpointing.restore_checkpoint(Path(args.ckpt_dir) / str(args.resume), target)
-    params, opt_state, start = restored['params'], restored['opt_state'], args.resume
-    print(f'restored step {start} from {args.ckpt_dir}')
+    restored = ckpt.restore(target, step=args.resume)
+    if restored is not None:
+      start, state, _ = restored
+      params, opt_state = state['params'], state['opt_state']
+      print(f'restored step {start} from {args.ckpt_dir}')
 
   step = make_train_step(graphdef, tx, param_sh, state_sh, rest_sh, batch_sh)
   key = jax.random.key(args.seed)
@@ -228,10 +254,11 @@ def main(argv: list[str] | None = None) -> None:
     params, opt_state, loss = step(params, opt_state, rest, batch, jax.random.fold_in(key, i))
     if i == start or (i + 1) % 10 == 0 or i + 1 == args.steps:
       print(f'step {i + 1:5d}  loss {float(loss):.4f}  ({time.perf_counter() - t0:.1f} s)')
-    if args.save_at is not None and i + 1 == args.save_at:
-      path = Path(args.ckpt_dir) / str(i + 1)
-      checkpointing.save_checkpoint(path, {'params': params, 'opt_state': opt_state})
-      print(f'saved step {i + 1} to {path}')
+    if ckpt is not None and (i + 1 == args.save_at or args.ckpt_every is not None and (
+        (i + 1) % args.ckpt_every == 0 or i + 1 == args.steps)):
+      ckpt.save(i + 1, {'params': params, 'opt_state': opt_state}, force=True)
+  if ckpt is not None:
+    ckpt.close()  # the last save complete, manifest included
 
   print('\nstate of the expert stacks (path, shape, sharding):')
   for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):

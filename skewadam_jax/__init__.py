@@ -48,6 +48,9 @@ from skewadam_jax._memory import state_bytes
 # Sharding: the state's shardings from the params' (jit out_shardings, Orbax targets).
 from skewadam_jax._sharding import sharded_abstract_state
 from skewadam_jax._sharding import state_shardings
+# Checkpoints: does a saved state match the optimizer's (before restoring it)?
+from skewadam_jax._checkpoint import check_checkpoint_matches
+from skewadam_jax._checkpoint import checkpoint_mismatches
 # AdamPM's pooling, to analyse a second moment as AdamPM sees it.
 from skewadam_jax._grouped import expand_groups
 from skewadam_jax._grouped import groupmean
@@ -77,6 +80,8 @@ __all__ = (
     'TieredAdamState',
     'adampm',
     'apply_updates_stochastic',
+    'check_checkpoint_matches',
+    'checkpoint_mismatches',
     'expand_groups',
     'format_label_table',
     'groupmean',

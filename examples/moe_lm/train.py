@@ -24,6 +24,12 @@ Flow: config -> data -> model -> optimizer -> jitted step -> loop -> report.
   and the router weight norm. The Switch aux loss over its floor is kept but it is
   blind to collapse: it is ~1 whenever the router's probabilities are near uniform,
   whatever the assignments.
+* With `--ckpt-dir DIR`: params, optimizer state and the history are checkpointed every
+  `--ckpt-every` steps and after the last (Orbax, asynchronously unless `--sync-ckpt`),
+  and the same command rerun after a crash resumes from the newest intact checkpoint
+  (`examples/checkpointing.py`'s `TrainCheckpointer`): batches, router noise and
+  rounding keys are functions of `(seed, step)`, so it ends bitwise where an
+  uninterrupted run ends.
 * At the end: a markdown table of optimizer state bytes per tier, a loss-curve PNG, a
   PNG of each expert's load over training and a JSON of the run under `--out` (default
   `runs/moe_lm/`).
@@ -53,6 +59,7 @@ if __package__ in (None, ''):
 
 import skewadam_jax as sj  # noqa: E402
 from examples import _cli  # noqa: E402
+from examples import checkpointing  # noqa: E402
 from examples.moe_lm import data as data_lib  # noqa: E402
 from examples.moe_lm import model as model_lib  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
@@ -83,6 +90,11 @@ class TrainConfig:
   data_dir: Optional[str] = None  # None: the Python standard library
   suffixes: tuple[str, ...] = ('.py',)
   out: str = 'runs/moe_lm'
+  ckpt_dir: Optional[str] = None  # None: no checkpoints
+  ckpt_every: int = 100
+  ckpt_keep: int = 3
+  sync_ckpt: bool = False
+  ckpt_fingerprints: bool = False
 
 
 def model_config(tc: TrainConfig) -> model_lib.MoEConfig:
@@ -247,9 +259,16 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
   if cfg.n_moe_blocks:
     history['drop_frac'] = []  # training only: evaluation is dropless
   evals: list[dict[str, Any]] = []
+  ckpt, first = None, 0
+  if tc.ckpt_dir is not None:
+    ckpt, resumed = resume(tc, params, opt_state)
+    if resumed is not None:
+      first, state, record = resumed
+      params, opt_state = state['params'], state['opt_state']
+      history, evals = record['history'], record['evals']
   step_times: list[float] = []
-  bar = tqdm(range(tc.steps), desc=desc or tc.optimizer, disable=not progress,
-             dynamic_ncols=True, mininterval=1.0)
+  bar = tqdm(range(first, tc.steps), desc=desc or tc.optimizer, disable=not progress,
+             dynamic_ncols=True, mininterval=1.0, initial=first, total=tc.steps)
   start = time.perf_counter()
   compile_s: Optional[float] = None  # stays None when no step runs
   pending = None
@@ -262,7 +281,7 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
     if pending is not None:
       _record(history, *pending)
     pending = (step, metrics)
-    if step == 0:
+    if step == first:
       jax.block_until_ready(metrics['loss'])
       compile_s = time.perf_counter() - t0
     else:
@@ -278,11 +297,19 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
       evals.append(ev)
       bar.write(f'[{tc.optimizer}] step {step + 1}: val loss {ev["loss"]:.4f} '
                 f'bpb {ev["bpb"]:.3f} ppl {ev["ppl"]:.2f} | {health_line(ev)}')
+    if ckpt is not None and ((step + 1) % tc.ckpt_every == 0 or step + 1 == tc.steps):
+      if pending is not None:  # the history saved with step s ends at step s
+        _record(history, *pending)
+        pending = None
+      ckpt.save(step + 1, {'params': params, 'opt_state': opt_state},
+                {'history': history, 'evals': evals}, force=True)
     if step % 10 == 0 and history['loss']:
       rate = tokens_per_step / np.median(step_times[-20:]) if step_times else 0.0
       bar.set_postfix(loss=f'{history["loss"][-1]:.3f}', tok_s=f'{rate:,.0f}')
   if pending is not None:
     _record(history, *pending)
+  if ckpt is not None:
+    ckpt.close()  # the last save complete, manifest included
   if not evals:  # `--steps 0`: the initial model, so that the report still has numbers
     ev = evaluate(eval_step, params, rest, val_batches)
     ev['step'] = 0
@@ -318,6 +345,21 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
       },
       'machine': machine_info(),
   }
+
+
+def resume(tc: TrainConfig, params: Any, opt_state: Any
+           ) -> tuple[checkpointing.TrainCheckpointer, Optional[tuple[int, Any, Any]]]:
+  """The run's checkpointer, and `(step, state, record)` of its newest intact step.
+
+  The restore target is the freshly built params and state, so a checkpoint of another
+  optimizer, tier policy or state dtype is refused with a message naming what differs.
+  """
+  ckpt = checkpointing.TrainCheckpointer(
+      tc.ckpt_dir, every=tc.ckpt_every, keep=tc.ckpt_keep, use_async=not tc.sync_ckpt,
+      show_fingerprints=tc.ckpt_fingerprints, log=lambda line: print(line, flush=True))
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        {'params': params, 'opt_state': opt_state})
+  return ckpt, ckpt.restore(target)
 
 
 def _record(history: dict[str, list], step: int, metrics: dict[str, Any]) -> None:
@@ -655,6 +697,20 @@ def build_parser() -> argparse.ArgumentParser:
   _cli.option(p, '--suffixes', nargs='+', default=list(d.suffixes),
               help='file name endings to read under --data-dir')
   _cli.option(p, '--out', default=d.out, help='directory for the JSON, PNGs and markdown')
+  _cli.option(p, '--ckpt-dir', default=d.ckpt_dir,
+              help='checkpoint directory: save there, and resume from its newest intact '
+                   'step when rerun with the same command (a damaged newest step is '
+                   'skipped and moved to DIR/damaged/); unset: no checkpoints')
+  _cli.option(p, '--ckpt-every', type=int, default=d.ckpt_every,
+              help='save every this many steps (and after the last) with --ckpt-dir')
+  _cli.option(p, '--ckpt-keep', type=int, default=d.ckpt_keep,
+              help='checkpoints kept (the older are deleted)')
+  _cli.option(p, '--sync-ckpt', action='store_true',
+              help='save synchronously; by default Orbax saves asynchronously, training '
+                   'while a background thread writes')
+  _cli.option(p, '--ckpt-fingerprints', action='store_true',
+              help='print a sha256 of params + state at every save and restore (a host '
+                   'copy of every array; used by tools/crash_resume.py)')
   return p
 
 
@@ -666,14 +722,17 @@ def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
     if value < 0:
       p.error(f'{flag} must be >= 0, not {value}')
   for flag, value in (('--batch-size', a.batch_size), ('--eval-every', a.eval_every),
-                      ('--eval-batches', a.eval_batches)):
+                      ('--eval-batches', a.eval_batches), ('--ckpt-every', a.ckpt_every),
+                      ('--ckpt-keep', a.ckpt_keep)):
     if value < 1:
       p.error(f'{flag} must be >= 1, not {value}')
   return TrainConfig(
       optimizer=a.optimizer, preset=a.preset, steps=a.steps, batch_size=a.batch_size,
       seq_len=a.seq_len, lr=a.lr, muon_adam_lr=a.muon_adam_lr, warmup=a.warmup,
       weight_decay=a.weight_decay, eval_every=a.eval_every, eval_batches=a.eval_batches,
-      seed=a.seed, bf16=a.bf16, data_dir=a.data_dir, suffixes=tuple(a.suffixes), out=a.out)
+      seed=a.seed, bf16=a.bf16, data_dir=a.data_dir, suffixes=tuple(a.suffixes), out=a.out,
+      ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, ckpt_keep=a.ckpt_keep,
+      sync_ckpt=a.sync_ckpt, ckpt_fingerprints=a.ckpt_fingerprints)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

@@ -1,0 +1,310 @@
+"""Crash-safe checkpoints: resume equals an uninterrupted run, damaged steps are skipped,
+and a checkpoint of another optimizer is refused with a message naming what differs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import skewadam_jax as sj
+from examples import checkpointing
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# MoE-shaped paths, so that `moe_param_labels` gives every SkewAdam tier.
+SHAPES = {
+    'blocks/0/attn/q_proj/kernel': (16, 16),
+    'blocks/0/attn_norm/scale': (16,),
+    'blocks/1/moe/router/kernel': (16, 4),
+    'blocks/1/moe/experts/w1': (4, 16, 32),
+}
+
+
+def _params() -> dict:
+  rng = np.random.default_rng(0)
+  out: dict = {}
+  for path, shape in SHAPES.items():
+    node = out
+    *parents, leaf = path.split('/')
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = jnp.asarray(0.1 * rng.standard_normal(shape), jnp.float32)
+  return out
+
+
+def _grads(params, step):
+  """Pseudo-gradients that are a function of (params, step) only."""
+  return jax.tree.map(lambda p: jnp.sin(7.0 * p * (step + 1.0)) + 0.01 * step, params)
+
+
+def _target(tx, params):
+  return checkpointing.abstract_target(tx, jax.eval_shape(lambda: params))
+
+
+_STEPS: dict = {}
+# One instance each, so that each step compiles once for the whole module.
+SKEWADAM = sj.skewadam(1e-2, weight_decay=0.1)
+ADAMPM = sj.adampm(1e-2, group_size=8)
+
+
+def _train(tx, directory, steps, *, stop_after=None, every=2, use_async=True, log=None):
+  """Trains to `steps` with checkpoints, resuming from `directory`; returns the final
+  `{'params', 'opt_state'}` (or, a crash, the state after `stop_after` steps of this
+  call, whatever the checkpoints hold)."""
+  params = _params()
+  opt_state = tx.init(params)
+  ckpt = checkpointing.TrainCheckpointer(directory, every=every, use_async=use_async,
+                                         log=log or (lambda line: None))
+  restored = ckpt.restore(_target(tx, params))
+  start = 0
+  if restored is not None:
+    start, state, _ = restored
+    params, opt_state = state['params'], state['opt_state']
+  if id(tx) not in _STEPS:  # one compilation per optimizer
+    _STEPS[id(tx)] = (tx, jax.jit(lambda p, s, t: _apply(tx, p, s, t), donate_argnums=(0, 1)))
+  step_fn = _STEPS[id(tx)][1]
+  for i in range(start, steps):
+    params, opt_state = step_fn(params, opt_state, jnp.float32(i))
+    ckpt.save(i + 1, {'params': params, 'opt_state': opt_state}, force=i + 1 == steps)
+    if stop_after is not None and i + 1 - start == stop_after:
+      ckpt.wait()
+      return {'params': params, 'opt_state': opt_state}
+  ckpt.close()
+  return {'params': params, 'opt_state': opt_state}
+
+
+def _apply(tx, params, opt_state, t):
+  updates, opt_state = tx.update(_grads(params, t), opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _steps(directory: Path) -> list[int]:
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def _array_file(step_dir: Path) -> Path:
+  """The largest array data file of a step."""
+  files = [p for p in (step_dir / 'state').rglob('*') if p.is_file() and '/d/' in p.as_posix()]
+  return max(files, key=lambda p: p.stat().st_size)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory) -> dict:
+  """`{'params', 'opt_state'}` after 6 SkewAdam steps without a crash."""
+  return _train(SKEWADAM, tmp_path_factory.mktemp('full'), 6)
+
+
+@pytest.mark.parametrize('use_async', [True, False], ids=['async', 'sync'])
+def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, uninterrupted, use_async):
+  _train(SKEWADAM, tmp_path, 6, stop_after=3, use_async=use_async)  # dies after step 3
+  assert _steps(tmp_path) == [2]  # step 3 was never saved
+  resumed = _train(SKEWADAM, tmp_path, 6, use_async=use_async)
+  assert checkpointing.mismatches(uninterrupted, resumed) == []
+  assert _steps(tmp_path)[-1] == 6
+
+
+def test_a_finished_run_restores_its_last_step_and_trains_no_more(tmp_path):
+  full = _train(SKEWADAM, tmp_path, 4)
+  lines: list[str] = []
+  again = _train(SKEWADAM, tmp_path, 4, log=lines.append)
+  assert checkpointing.mismatches(full, again) == []
+  assert any('restored step 4' in line for line in lines)
+
+
+def test_every_saved_step_has_a_manifest_of_its_files(tmp_path):
+  _train(SKEWADAM, tmp_path, 4)
+  for step in _steps(tmp_path):
+    assert checkpointing.verify_step(tmp_path / str(step)) is None
+    assert (tmp_path / str(step) / checkpointing.MANIFEST).is_file()
+
+
+def test_temporary_directory_of_an_unfinished_save_is_never_restored(tmp_path):
+  tx = SKEWADAM
+  _train(tx, tmp_path, 4)
+  # What a kill during an async save leaves: a copy of a step under Orbax's tmp name.
+  os.rename(tmp_path / '4', tmp_path / '4.orbax-checkpoint-tmp-123')
+  lines: list[str] = []
+  restored = checkpointing.TrainCheckpointer(tmp_path, every=2, log=lines.append).restore(
+      _target(tx, _params()))
+  assert restored[0] == 2
+
+
+# ----------------------------------------------------------------------------- damage
+
+
+def _damage(step_dir: Path, how: str) -> None:
+  f = _array_file(step_dir)
+  data = bytearray(f.read_bytes())
+  if how == 'truncate':
+    f.write_bytes(bytes(data[:len(data) // 2]))
+  elif how == 'flip':
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+  elif how == 'no_manifest':
+    (step_dir / checkpointing.MANIFEST).unlink()
+  elif how == 'delete':
+    f.unlink()
+
+
+@pytest.mark.parametrize('how,why', [('truncate', 'truncated'), ('flip', 'corrupted bytes'),
+                                     ('no_manifest', 'incomplete'), ('delete', 'missing')])
+def test_damaged_latest_step_is_named_skipped_and_the_previous_one_restored(
+    tmp_path, uninterrupted, how, why):
+  _train(SKEWADAM, tmp_path / 'run', 6, stop_after=4)  # killed after step 4 was saved
+  _damage(tmp_path / 'run' / '4', how)
+  lines: list[str] = []
+  resumed = _train(SKEWADAM, tmp_path / 'run', 6, log=lines.append)
+  assert any('step 4' in line and why in line for line in lines), lines
+  assert any('restored step 2' in line for line in lines), lines
+  assert (tmp_path / 'run' / checkpointing.DAMAGED_DIR / '4').is_dir()  # kept for a look
+  assert checkpointing.mismatches(uninterrupted, resumed) == []
+
+
+def test_no_intact_step_stops_with_an_error_naming_the_steps(tmp_path):
+  tx = SKEWADAM
+  _train(tx, tmp_path, 2, every=2)
+  _damage(tmp_path / '2', 'flip')
+  ckpt = checkpointing.TrainCheckpointer(tmp_path, every=2, log=lambda line: None)
+  with pytest.raises(RuntimeError, match=r'No intact checkpoint.*step\(s\) 2'):
+    ckpt.restore(_target(tx, _params()))
+  assert (tmp_path / '2').is_dir()  # left in place: a rerun refuses again
+
+
+def test_explicit_step_that_is_damaged_is_an_error(tmp_path):
+  tx = SKEWADAM
+  _train(tx, tmp_path, 4, every=2)
+  _damage(tmp_path / '2', 'truncate')
+  ckpt = checkpointing.TrainCheckpointer(tmp_path, every=2, log=lambda line: None)
+  with pytest.raises(RuntimeError, match='step 2'):
+    ckpt.restore(_target(tx, _params()), step=2)
+  with pytest.raises(RuntimeError, match='No checkpoint of step 3'):
+    ckpt.restore(_target(tx, _params()), step=3)
+
+
+def test_bad_checkpointer_arguments_are_value_errors(tmp_path):
+  with pytest.raises(ValueError, match='every'):
+    checkpointing.TrainCheckpointer(tmp_path, every=0)
+  with pytest.raises(ValueError, match='keep'):
+    checkpointing.TrainCheckpointer(tmp_path, every=1, keep=0)
+
+
+# ----------------------------------------------------------------------------- mismatch
+
+
+def _labels_all_backbone(params):
+  return jax.tree.map(lambda _: 'backbone', params)
+
+
+OTHERS = {
+    'optimizer': (sj.adampm(1e-2), r'optimizer state type differs.*tiers backbone, experts, '
+                  r'router.*no tiers; state fields count, mu, nu'),
+    'tier policy': (sj.skewadam(1e-2, tiers=sj.ADAM_ROUTER_TIERS),
+                    r"blocks/1/moe/router/kernel: the checkpoint keeps its state in tier "
+                    r"'router' \(v\), this optimizer in tier 'router' \(mu, v\)"),
+    'labels': (sj.skewadam(1e-2, param_labels=_labels_all_backbone),
+               r"blocks/1/moe/experts/w1: the checkpoint keeps its state in tier 'experts' "
+               r"\(v_row, v_col\), this optimizer in tier 'backbone' \(mu, v_row, v_col\)"),
+    'mu dtype': (sj.skewadam(1e-2, tiers={
+        **sj.PUBLISHED_TIERS, 'backbone': sj.PUBLISHED_TIERS['backbone'].replace(
+            mu_dtype=jnp.bfloat16)}),
+        r'dtype differs at opt_state/0/inner_states/backbone/inner_state/mu/blocks/0/attn/'
+        r'q_proj/kernel: checkpoint float32, optimizer bfloat16'),
+}
+
+
+@pytest.mark.parametrize('other', sorted(OTHERS))
+def test_restoring_with_another_optimizer_names_what_differs(tmp_path, other):
+  _train(SKEWADAM, tmp_path, 2, every=2)
+  tx, message = OTHERS[other]
+  ckpt = checkpointing.TrainCheckpointer(tmp_path, every=2, log=lambda line: None)
+  with pytest.raises(ValueError, match=message) as err:
+    ckpt.restore(_target(tx, _params()))
+  assert 'partial_restore' not in str(err.value) and 'step 2' in str(err.value)
+
+
+def test_restoring_with_another_group_size_names_the_shapes(tmp_path):
+  params = _params()
+  saver = checkpointing.TrainCheckpointer(tmp_path, every=2, log=lambda line: None)
+  saver.save(2, {'params': params, 'opt_state': ADAMPM.init(params)})
+  saver.close()
+  ckpt = checkpointing.TrainCheckpointer(tmp_path, every=2, log=lambda line: None)
+  with pytest.raises(ValueError, match=r'shape differs at opt_state/0/nu/blocks/1/moe/experts/'
+                     r'w1: checkpoint \(4, 16, 4\), optimizer \(4, 16, 8\)'):
+    ckpt.restore(_target(sj.adampm(1e-2, group_size=4), _params()))
+
+
+def test_restoring_other_params_names_the_leaf(tmp_path):
+  _train(SKEWADAM, tmp_path, 2, every=2)
+  params = _params()
+  params['blocks']['0']['attn_norm']['scale'] = jnp.ones((8,))
+  ckpt = checkpointing.TrainCheckpointer(tmp_path, every=2, log=lambda line: None)
+  with pytest.raises(ValueError, match=r'shape differs at params/blocks/0/attn_norm/scale: '
+                     r'checkpoint \(16,\), optimizer \(8,\)'):
+    ckpt.restore(_target(sj.skewadam(1e-2), params))
+
+
+def test_mismatches_of_the_same_optimizer_are_empty():
+  params = _params()
+  for tx in (sj.skewadam(1e-2), sj.adampm(1e-2), optax.adamw(1e-2)):
+    state = jax.eval_shape(tx.init, params)
+    assert sj.checkpoint_mismatches(state, state) == []
+    sj.check_checkpoint_matches(state, state)
+
+
+def test_mismatches_read_orbax_metadata_objects(tmp_path):
+  tx = sj.skewadam(1e-2)
+  params = _params()
+  tree = {'params': params, 'opt_state': tx.init(params)}
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / 'c', tree)
+  checkpointer.wait_until_finished()
+  metadata = ocp.StandardCheckpointer().metadata(tmp_path / 'c')
+  assert sj.checkpoint_mismatches(jax.eval_shape(lambda: tree), metadata) == []
+  with pytest.raises(ValueError, match='the checkpoint holds tiers'):
+    sj.check_checkpoint_matches(
+        {'params': params, 'opt_state': sj.adampm(1e-2).init(params)}, metadata)
+
+
+def test_long_mismatch_lists_are_cut_with_a_count():
+  params = {f'layer{i}': {'kernel': jnp.zeros((4, 8))} for i in range(10)}
+  saved = jax.eval_shape(sj.adampm(1e-2, group_size=8).init, params)
+  want = jax.eval_shape(sj.adampm(1e-2, group_size=4).init, params)
+  lines = sj.checkpoint_mismatches(want, saved)
+  assert len(lines) == sj._checkpoint.MAX_LISTED + 1 and lines[-1] == '... and 4 more'
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('target', ['moe_lm', 'sharded_moe'])
+def test_examples_resume_bitwise_after_sigkill(tmp_path, target):
+  """tools/crash_resume.py on an example (the committed code): 3 kills."""
+  out = tmp_path / 'out'
+  r = _run([str(ROOT / 'tools' / 'crash_resume.py'), '--target', target, '--kills', '3',
+            '--steps', '12', '--every', '3', '--out', str(out), '--work', str(tmp_path / 'w')],
+           ROOT)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+  s = json.loads((out / 'crash_resume.json').read_text())['results'][0]['summary']
+  assert s['kills'] == 3 and s['bitwise_equal'] and s['partial_resumes'] == 0
+  assert s['steps_from_partial'] == 0 and s['resumes'] >= 3

@@ -2,6 +2,7 @@
 
   python tests/multihost_runs.py PROCESS_ID PORT OUT   # one of 2 processes, 4 devices each
   python tests/multihost_runs.py single - OUT          # one process, 8 devices (and 1)
+  python tests/multihost_runs.py ckpt PROCESS_ID PORT OUT CKPT_DIR   # checkpointed, resumable
 
 Both layouts train 5 donated steps of SkewAdam and AdamPM on the same (2, 4)
 ('data', 'expert') mesh from the same start, so the only difference is that the
@@ -9,6 +10,11 @@ Both layouts train 5 donated steps of SkewAdam and AdamPM on the same (2, 4)
 cross-process (gloo) all-reduce. `single` also trains on one device without a mesh,
 whose reductions run unsharded. Each run writes OUT/<run>_<name>.npz of the gathered
 params and state (process 0 only) and OUT/<layout>.json of its topology.
+
+`ckpt` trains SkewAdam for CKPT_STEPS steps on the same two-process mesh with the
+examples' `TrainCheckpointer` (a checkpoint every CKPT_EVERY steps), resuming from the
+newest intact step in CKPT_DIR; tools/crash_resume.py kills one process, restarts both
+and compares OUT/ckpt_skewadam.npz with an uninterrupted run's.
 
 Self-contained rather than importing tests/sharding_runs.py: that module sets XLA_FLAGS
 to 8 devices at import and imports the examples. Importing this one has no side effects
@@ -22,6 +28,8 @@ import sys
 
 if __name__ == '__main__':  # before jax is imported: the device count is read once
   _DEVICES = 8 if sys.argv[1] == 'single' else 4
+  # The repository root, for `examples.checkpointing` in the `ckpt` mode.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={_DEVICES}'
   os.environ['JAX_PLATFORMS'] = 'cpu'
 
@@ -41,6 +49,8 @@ import optax  # noqa: E402
 import skewadam_jax as sj  # noqa: E402
 
 N_STEPS = 5
+CKPT_STEPS = 16
+CKPT_EVERY = 2
 MESH_SHAPE = (2, 4)
 EXPERT_SPEC = P('expert', None, 'data')
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -134,8 +144,52 @@ def save_npz(path: Path, params: Any, state: Any) -> None:
            **{'state' + k: v for k, v in flat(state).items()})
 
 
-def main(process_id: str, port: str, out: str) -> None:
+def train_checkpointed(ckpt_dir: str, out_dir: Path) -> None:
+  """CKPT_STEPS donated steps of SkewAdam, checkpointed and resumed (a function of the
+  step only: the pseudo-gradients take the step number); writes ckpt_skewadam.npz."""
+  from examples import checkpointing  # imports Orbax; only this mode needs it
+
+  tx = OPTIMIZERS['skewadam']()
+  host = init_params()
+  specs = param_specs(host)
+
+  def step(params, state, seed, t):
+    updates, state = tx.update(grads_at(seed, t), state, params)
+    return optax.apply_updates(params, updates), state
+
+  jstep = jax.jit(step, donate_argnums=(0, 1))
+  mesh = jax.make_mesh(MESH_SHAPE, ('data', 'expert'))
+  with jax.set_mesh(mesh):
+    params, seed = place(host, mesh, specs), place(host, mesh, specs)
+    state = jax.jit(tx.init)(params)
+    ckpt = checkpointing.TrainCheckpointer(
+        ckpt_dir, every=CKPT_EVERY, log=lambda line: print(line, flush=True))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          {'params': params, 'opt_state': state})
+    restored = ckpt.restore(target)
+    start = 0
+    if restored is not None:
+      start, saved, _ = restored
+      params, state = saved['params'], saved['opt_state']
+    for i in range(start, CKPT_STEPS):
+      params, state = jstep(params, state, seed, np.float32(i))
+      print(f'step {i + 1}', flush=True)
+      ckpt.save(i + 1, {'params': params, 'opt_state': state}, force=i + 1 == CKPT_STEPS)
+    ckpt.close()
+    params, state = multihost_utils.process_allgather((params, state), tiled=True)
+  if jax.process_index() == 0:
+    save_npz(out_dir / 'ckpt_skewadam.npz', params, state)
+
+
+def main(process_id: str, port: str, out: str, ckpt_dir: str | None = None) -> None:
   out_dir = Path(out)
+  if ckpt_dir is not None:  # `ckpt PROCESS_ID PORT OUT CKPT_DIR`, shifted by the caller
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(f'localhost:{port}', num_processes=2,
+                               process_id=int(process_id), initialization_timeout=120)
+    train_checkpointed(ckpt_dir, out_dir)
+    jax.distributed.shutdown()
+    return
   layout = 'single' if process_id == 'single' else 'multi'
   if layout == 'multi':
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -172,4 +226,7 @@ def main(process_id: str, port: str, out: str) -> None:
 
 
 if __name__ == '__main__':
-  main(*sys.argv[1:])
+  if sys.argv[1] == 'ckpt':
+    main(*sys.argv[2:])
+  else:
+    main(*sys.argv[1:])

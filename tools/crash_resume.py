@@ -278,6 +278,101 @@ def run_target(target: str, args: argparse.Namespace, work: Path, env: dict[str,
           'kills': kills, 'episodes': episodes, 'summary': summarize(kills, episodes)}
 
 
+def _free_port() -> int:
+  import socket
+  with socket.socket() as sock:
+    sock.bind(('localhost', 0))
+    return sock.getsockname()[1]
+
+
+def run_pair(script: Path, ckpt: Path, out: Path, env: dict[str, str], kill: Optional[int],
+             rng: random.Random) -> dict[str, Any]:
+  """Both `jax.distributed` processes of tests/multihost_runs.py `ckpt`; with `kill`, one
+  of them (drawn) is killed right after it prints that the save of step `kill` started,
+  and the other once it has stopped or after 30 s (a collective with a dead peer hangs)."""
+  port = str(_free_port())
+  procs, queues = [], []
+  for pid in ('0', '1'):
+    proc = subprocess.Popen([sys.executable, str(script), 'ckpt', pid, port, str(out), str(ckpt)],
+                            cwd=env['CRASH_RESUME_REPO'], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
+    procs.append(proc)
+    queues.append(q)
+  victim = rng.randint(0, 1)
+  record: dict[str, Any] = {'victim': victim if kill else None, 'killed_at_save': kill,
+                            'restored': None, 'reached': 0, 'during_save': False}
+  tails: list[list[str]] = [[], []]
+  t0 = time.monotonic()
+  killed_at: Optional[float] = None
+  while any(p.poll() is None for p in procs) or any(not q.empty() for q in queues):
+    for i, q in enumerate(queues):
+      while not q.empty():
+        line = q.get()
+        if line is None:
+          continue
+        tails[i] = (tails[i] + [line])[-30:]
+        if m := RESTORED_RE.search(line) or re.search(r'checkpoint: restored step (\d+)', line):
+          record['restored'] = int(m[1])
+        if m := re.match(r'step (\d+)$', line.strip()):
+          record['reached'] = max(record['reached'], int(m[1]))
+        if (kill and killed_at is None and i == victim and SAVING_RE.search(line)
+            and int(SAVING_RE.search(line)[1]) == kill):
+          time.sleep(rng.uniform(0.0, 0.1))
+          record['during_save'] = bool(_tmp_dirs(ckpt))
+          procs[victim].send_signal(signal.SIGKILL)
+          killed_at = time.monotonic()
+    if killed_at is not None and time.monotonic() - killed_at > 30:
+      for p in procs:
+        if p.poll() is None:
+          p.send_signal(signal.SIGKILL)
+    if time.monotonic() - t0 > LAUNCH_TIMEOUT_S:
+      for p in procs:
+        p.kill()
+      raise RuntimeError('multihost run ran over its time:\n' + '\n'.join(tails[0] + tails[1]))
+    time.sleep(0.01)
+  record['returncodes'] = [p.wait() for p in procs]
+  record['seconds'] = round(time.monotonic() - t0, 1)
+  if kill is None and record['returncodes'] != [0, 0]:
+    raise RuntimeError('multihost run failed:\n' + '\n'.join(tails[0] + ['---'] + tails[1]))
+  return record
+
+
+def run_multihost(args: argparse.Namespace, work: Path, env: dict[str, str],
+                  rng: random.Random) -> dict[str, Any]:
+  """Two processes of one mesh: an uninterrupted run, then kills of one process at a
+  save until `args.multihost_kills` are done, each followed by a restart of both."""
+  import numpy as np
+
+  script = Path(env['CRASH_RESUME_REPO']) / 'tests' / 'multihost_runs.py'
+  for old in work.glob('multihost_*'):
+    shutil.rmtree(old)
+  ref_out, out = work / 'multihost_ref_out', work / 'multihost_out'
+  ref_out.mkdir()
+  out.mkdir()
+  env = dict(env, XLA_FLAGS='')
+  reference = run_pair(script, work / 'multihost_ref', ref_out, env, None, rng)
+  launches = []
+  saves = list(range(4, 15, 2))  # CKPT_EVERY = 2, CKPT_STEPS = 16 in multihost_runs.py
+  for _ in range(args.multihost_kills):
+    launches.append(run_pair(script, work / 'multihost_ckpt', out, env,
+                             rng.choice(saves), rng))
+  while True:
+    final = run_pair(script, work / 'multihost_ckpt', out, env, None, rng)
+    launches.append(final)
+    if final['returncodes'] == [0, 0]:
+      break
+  for i in range(1, len(launches)):
+    launches[i - 1]['resumed_from'] = launches[i]['restored'] or 0
+  a = np.load(ref_out / 'ckpt_skewadam.npz')
+  b = np.load(out / 'ckpt_skewadam.npz')
+  equal = sorted(a.files) == sorted(b.files) and all(
+      a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in a.files)
+  return {'target': 'multihost (2 processes, gloo)', 'reference_s': reference['seconds'],
+          'launches': launches, 'bitwise_equal': bool(equal), 'arrays_compared': len(a.files)}
+
+
 def summarize(kills: list[dict[str, Any]], episodes: list[dict[str, Any]]) -> dict[str, Any]:
   lost = [k['steps_lost'] for k in kills if 'steps_lost' in k]
   corrupted = [k for k in kills if k['corrupted']]
@@ -324,13 +419,16 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   p = _cli.parser(__doc__.splitlines()[0])
-  _cli.option(p, '--target', default='both', choices=('both', 'moe_lm', 'sharded_moe'),
+  _cli.option(p, '--target', default='both',
+              choices=('both', 'moe_lm', 'sharded_moe', 'none'),
               help='which example to kill')
   _cli.option(p, '--kills', type=int, default=20, help='kills per example')
   _cli.option(p, '--steps', type=int, default=40, help='training steps per run')
   _cli.option(p, '--every', type=int, default=4, help='steps between checkpoints')
   _cli.option(p, '--seed', type=int, default=0, help='training seed and kill schedule')
   _cli.option(p, '--out', default='benchmarks/results', help='directory of the JSON and table')
+  _cli.option(p, '--multihost-kills', type=int, default=0,
+              help='also kill one of the two jax.distributed processes this many times')
   _cli.option(p, '--work', default=None,
               help='scratch directory (checkpoints, compile cache); unset: a temporary one')
   return p
@@ -341,7 +439,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
   if args.kills < 1 or args.steps < 2 or not 1 <= args.every < args.steps:
     raise ValueError('need --kills >= 1, --steps >= 2 and 1 <= --every < --steps')
   rng = random.Random(args.seed)
-  targets = ('moe_lm', 'sharded_moe') if args.target == 'both' else (args.target,)
+  targets = {'both': ('moe_lm', 'sharded_moe'), 'none': ()}.get(args.target, (args.target,))
   with tempfile.TemporaryDirectory() as tmp:
     work = Path(args.work or tmp)
     work.mkdir(parents=True, exist_ok=True)
@@ -351,7 +449,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     repo = work / 'repo'
     shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir()
-    archive = subprocess.run(['git', 'archive', 'HEAD', 'skewadam_jax', 'examples'], cwd=ROOT,
+    archive = subprocess.run(['git', 'archive', 'HEAD', 'skewadam_jax', 'examples', 'tests'],
+                             cwd=ROOT,
                              check=True, capture_output=True).stdout
     subprocess.run(['tar', '-x', '-C', str(repo)], input=archive, check=True)
     commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, check=True,
@@ -369,12 +468,25 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     env['PYTHONPATH'] = str(repo)
     env['CRASH_RESUME_REPO'] = str(repo)
     results = [run_target(t, args, work, env, rng) for t in targets]
+    multihost = run_multihost(args, work, env, rng) if args.multihost_kills else None
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  md = table(results, args)
-  (out / 'crash_resume.json').write_text(json.dumps(
-      {'args': vars(args), 'commit': commit, 'results': results}, indent=1, default=str))
-  (out / 'crash_resume.md').write_text('# Crash and resume\n\n' + md + '\n')
+  md = table(results, args) if results else ''
+  stem = 'crash_resume' if results else 'crash_resume_multihost'
+  if multihost is not None:
+    kills = [la for la in multihost['launches'] if la['killed_at_save']]
+    md += ('\n\n' if md else '') + (
+        f'{multihost["target"]}: {len(kills)} kill(s) of one process right after it started '
+        f'the save of step(s) {", ".join(str(k["killed_at_save"]) for k in kills)} '
+        f'({sum(k["during_save"] for k in kills)} with a temporary step directory present), '
+        'both processes restarted each time, resumed from step(s) '
+        f'{", ".join(str(k.get("resumed_from")) for k in kills)}; final params + state '
+        f'({multihost["arrays_compared"]} arrays) bitwise equal to an uninterrupted run: '
+        f'{"yes" if multihost["bitwise_equal"] else "NO"}.')
+  (out / f'{stem}.json').write_text(json.dumps(
+      {'args': vars(args), 'commit': commit, 'results': results, 'multihost': multihost},
+      indent=1, default=str))
+  (out / f'{stem}.md').write_text('# Crash and resume\n\n' + md + '\n')
   print(md)
   return results
 

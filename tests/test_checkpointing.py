@@ -308,3 +308,17 @@ def test_examples_resume_bitwise_after_sigkill(tmp_path, target):
   s = json.loads((out / 'crash_resume.json').read_text())['results'][0]['summary']
   assert s['kills'] == 3 and s['bitwise_equal'] and s['partial_resumes'] == 0
   assert s['steps_from_partial'] == 0 and s['resumes'] >= 3
+
+
+@pytest.mark.slow
+def test_two_process_run_resumes_bitwise_after_one_process_is_killed(tmp_path):
+  """tools/crash_resume.py --multihost-kills 1: one `jax.distributed` process killed
+  during a save, both restarted, the final params + state bitwise the uninterrupted."""
+  out = tmp_path / 'out'
+  r = _run([str(ROOT / 'tools' / 'crash_resume.py'), '--target', 'none', '--multihost-kills',
+            '1', '--out', str(out), '--work', str(tmp_path / 'w')], ROOT)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+  mh = json.loads((out / 'crash_resume_multihost.json').read_text())['multihost']
+  assert mh['bitwise_equal'] and mh['arrays_compared'] > 10
+  killed = [la for la in mh['launches'] if la['killed_at_save']]
+  assert len(killed) == 1 and killed[0]['resumed_from'] > 0

@@ -243,8 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     restored = ckpt.restore(target, step=args.resume)
     if restored is not None:
       start, state, _ = restored
-      params, opt_state = state['params'], state['opt_state']
-      print(f'restored step {start} from {args.ckpt_dir}')
+      params, opt_state = state['params'], state['opt_state']  # it printed the step
 
   step = make_train_step(graphdef, tx, param_sh, state_sh, rest_sh, batch_sh)
   key = jax.random.key(args.seed)

@@ -15,21 +15,6 @@ from skewadam_jax import _labels
 from skewadam_jax import _tiered
 
 
-def _check_tiers(tiers: Optional[Mapping[str, _tiered.Tier]]) -> dict[str, _tiered.Tier]:
-  if tiers is None:
-    return dict(_tiered.PUBLISHED_TIERS)
-  if not isinstance(tiers, Mapping) or not tiers:
-    raise TypeError('`tiers` must be a non-empty mapping from tier name to '
-                    f'skewadam_jax.Tier, got {tiers!r}.')
-  for name, tier in tiers.items():
-    if not isinstance(name, str):
-      raise TypeError(f'`tiers` keys must be strings (tier names), got {name!r}.')
-    if not isinstance(tier, _tiered.Tier):
-      raise TypeError(f'`tiers[{name!r}]` must be a skewadam_jax.Tier, got '
-                      f'{type(tier).__name__}.')
-  return dict(tiers)
-
-
 def tier_labeler(tiers: Mapping[str, _tiered.Tier], param_labels: Any = None
                  ) -> Callable[[Any], Any]:
   """A validating labeler: params -> full label tree whose labels all name a tier."""
@@ -106,7 +91,8 @@ def skewadam(
     Mixture-of-Experts Training, arXiv 2607.19058.
   """
   _checks.check_learning_rate(learning_rate)
-  tiers = _check_tiers(tiers)
+  _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
+  tiers = _tiered.check_tiers(tiers)
   labeler = tier_labeler(tiers, param_labels)
   for tier in tiers.values():  # checks the hyperparameters now, not at the first init
     _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier)
@@ -190,6 +176,7 @@ def adampm(
     Loshchilov & Hutter, Decoupled Weight Decay Regularization, 2019.
   """
   _checks.check_learning_rate(learning_rate)
+  _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
   return optax.chain(
       _grouped.scale_by_grouped_second_moment(
           b1, b2, eps, group_size=group_size, axis=axis, mu_dtype=mu_dtype,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,25 +25,43 @@ def is_concrete_number(x: Any) -> bool:
   return isinstance(x, np.ndarray) and x.ndim == 0 and np.issubdtype(x.dtype, np.floating)
 
 
+def _is_scalar_number(value: Any) -> bool:
+  """Whether `value` is a real number or a 0-d numeric array (possibly traced)."""
+  if is_concrete_number(value):
+    return True
+  return isinstance(value, (jax.Array, np.ndarray, np.number)) and np.ndim(value) == 0 and (
+      jnp.issubdtype(jnp.result_type(value), jnp.number)) and not jnp.issubdtype(
+          jnp.result_type(value), jnp.complexfloating)
+
+
+def check_scalar(name: str, value: Any, schedule: bool = False) -> None:
+  """Raises unless `value` is a real number or a scalar array (or, if allowed, a schedule).
+
+  Arrays and tracers pass, so that `optax.inject_hyperparams` can inject the value.
+  """
+  if _is_scalar_number(value) or (schedule and callable(value)):
+    return
+  allowed = 'a float, a scalar array or an optax schedule (a callable of the step count)' if (
+      schedule) else 'a float or a scalar array'
+  raise TypeError(f'`{name}` must be {allowed}, got {type(value).__name__} {value!r}.')
+
+
 def check_beta(name: str, value: Any) -> None:
-  """Raises if a concrete decay rate lies outside [0, 1)."""
+  """Raises unless `value` is a scalar; raises if a concrete one lies outside [0, 1)."""
+  check_scalar(name, value)
   if is_concrete_number(value) and not 0.0 <= float(value) < 1.0:
     raise ValueError(f'`{name}` must be in [0, 1), got {value!r}.')
 
 
 def check_learning_rate(value: Any) -> None:
   """Raises unless `value` is a number, a scalar array or a schedule (a callable)."""
-  if callable(value) or is_concrete_number(value):
-    return
-  if isinstance(value, (jax.Array, np.ndarray, np.number)) and np.ndim(value) == 0 and (
-      jnp.issubdtype(jnp.result_type(value), jnp.number)):
-    return
-  raise TypeError('`learning_rate` must be a float, a scalar array or an optax schedule '
-                  f'(a callable of the step count), got {type(value).__name__} {value!r}.')
+  check_scalar('learning_rate', value, schedule=True)
 
 
-def check_non_negative(name: str, value: Any) -> None:
-  """Raises if a concrete number is negative (or NaN)."""
+def check_non_negative(name: str, value: Any, schedule: bool = False) -> None:
+  """Raises unless `value` is a scalar (or a schedule, if allowed); raises if a concrete
+  one is negative (or NaN)."""
+  check_scalar(name, value, schedule)
   if is_concrete_number(value) and not float(value) >= 0.0:
     raise ValueError(f'`{name}` must be >= 0, got {value!r}.')
 
@@ -146,8 +164,122 @@ def check_float_leaf(path: str, dtype: Any, where: str) -> None:
         'mask)` with `mask` False on this leaf.')
 
 
-def check_transform(tx: Any) -> None:
-  """Raises unless `tx` looks like an optax GradientTransformation (init and update)."""
-  if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
-    raise TypeError('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
-                    f'or optax.adamw(1e-3)), got {type(tx).__name__} {tx!r}.')
+def _is_transform(tx: Any) -> bool:
+  return callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+def check_transform(tx: Any, other: Any = None, call: str = '') -> None:
+  """Raises unless `tx` looks like an optax GradientTransformation (init and update).
+
+  Args:
+    tx: the argument that must be the optimizer.
+    other: the call's params argument; if it is the optimizer, the arguments were
+      given in the wrong order and the message shows `call`, the right one.
+    call: the call with its argument names in order, e.g. 'sj.memory_report(params, tx)'.
+  """
+  if _is_transform(tx):
+    return
+  message = ('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
+             f'or optax.adamw(1e-3)), got {type(tx).__name__}')
+  if call and _is_transform(other):
+    raise TypeError(
+        f'{message} where `tx` goes and an optimizer where `params` goes: the arguments '
+        f'are in the wrong order, call `{call}`. Only `sj.memory_report(params, tx)` '
+        'takes the params first; `sj.optimizer_state_bytes`, `sj.state_shardings` and '
+        '`sj.sharded_abstract_state` take the optimizer first.')
+  raise TypeError(f'{message} {_short_repr(tx)}.')
+
+
+def _shapes(tree: Any) -> Any:
+  """`tree` with each array-like leaf as its shape tuple (for comparisons and messages)."""
+  return jax.tree.map(lambda a: tuple(a.shape) if hasattr(a, 'shape') else a, tree)
+
+
+def _shapes_and_dtypes(tree: Any) -> Any:
+  """`tree` with each array-like leaf as 'dtype[shape]' (for comparisons and messages)."""
+  return jax.tree.map(
+      lambda a: f'{jnp.dtype(a.dtype)}{list(a.shape)}' if hasattr(a, 'shape') else a, tree)
+
+
+def check_grad_shape(path: str, grad_shape: tuple[int, ...], expected: tuple[int, ...],
+                     what: str) -> None:
+  """Raises if a gradient's shape is not its parameter's (`what` has `expected`).
+
+  Checked at trace time (shapes are static): a gradient of another shape would
+  otherwise broadcast against the state into a full-size update, silently.
+  """
+  if tuple(grad_shape) != tuple(expected):
+    raise ValueError(
+        f'The gradient of parameter {path} has shape {tuple(grad_shape)}, but {what} has '
+        f'shape {tuple(expected)}: gradients (updates) must have their parameters\' shapes.')
+
+
+def check_grad_fits_stats(path: str, grad_shape: tuple[int, ...], stats: Any, expected: Any,
+                          error: Optional[Exception] = None) -> None:
+  """Raises if `stats` (a leaf's state) do not have the shapes a gradient's would have.
+
+  `expected` are the (abstract) statistics the leaf's estimator makes for a parameter
+  of `grad_shape`, or None if it could not make any (`error` says why).
+  """
+  if expected is not None and _shapes(stats) == _shapes(expected):
+    return
+  message = (f'The gradient of parameter {path} has shape {tuple(grad_shape)}, which does '
+             f'not fit its optimizer state (statistics of shapes {_shapes(stats)}')
+  if expected is not None:
+    message += f'; a parameter of the gradient\'s shape has {_shapes(expected)}'
+  message += '): gradients (updates) must have their parameters\' shapes.'
+  if error is not None:
+    raise ValueError(message) from error
+  raise ValueError(message)
+
+
+def _estimator_name(estimator: Any) -> str:
+  name = getattr(estimator, 'name', None)
+  kind = type(estimator).__name__
+  return f'{name!r} ({kind})' if isinstance(name, str) and name != kind else kind
+
+
+def check_estimator_init(estimator: Any, path: str, stats: Any,
+                         fields: tuple[str, ...]) -> None:
+  """Raises unless a second-moment estimator's `init` gave a dict keyed by `fields`."""
+  if not isinstance(stats, dict) or any(k not in fields for k in stats):
+    raise TypeError(
+        f'Second-moment estimator {_estimator_name(estimator)}: `init` for parameter '
+        f'{path} must return a dict whose keys are among {fields}, got '
+        f'{_short_repr(_shapes_and_dtypes(stats), 200)}.')
+
+
+def check_estimator_update(estimator: Any, path: str, grad_shape: tuple[int, ...], u: Any,
+                           stats: Any, new_stats: Any) -> None:
+  """Raises unless an estimator's `update` kept its statistics' structure, shapes and
+  dtypes (the state must be the same at every step) and gave `u` the gradient's shape.
+
+  Runs at trace time; a mismatch would otherwise fail deep inside `jit`, `lax.scan` or
+  a checkpoint restore, or broadcast silently.
+  """
+  name = _estimator_name(estimator)
+  if not (hasattr(u, 'shape') and hasattr(u, 'dtype')):
+    raise TypeError(f'Second-moment estimator {name}: `update` for parameter {path} must '
+                    f'return an array `u` first, got {type(u).__name__}.')
+  if tuple(u.shape) != tuple(grad_shape):
+    raise ValueError(
+        f'Second-moment estimator {name}: `update` for parameter {path} returned an update '
+        f'of shape {tuple(u.shape)}, but the gradient has shape {tuple(grad_shape)}; the '
+        'update must have the gradient\'s shape.')
+  if not jnp.issubdtype(u.dtype, jnp.floating):
+    raise TypeError(f'Second-moment estimator {name}: `update` for parameter {path} returned '
+                    f'an update of non-floating dtype {jnp.dtype(u.dtype)}.')
+  before, after = _shapes_and_dtypes(dict(stats)), (
+      _shapes_and_dtypes(dict(new_stats)) if isinstance(new_stats, Mapping) else None)
+  if (after is None or jax.tree.structure(before) != jax.tree.structure(after)
+      or before != after):
+    raise ValueError(
+        f'Second-moment estimator {name}: `update` for parameter {path} returned statistics '
+        f'{_short_repr(after if after is not None else new_stats, 300)}, but its state holds '
+        f'{_short_repr(before, 300)} (as `init` made them); `update` must return statistics '
+        'of the same structure, shapes and dtypes (cast them back to their stored dtype).')

@@ -444,6 +444,7 @@ def scale_by_grouped_second_moment(
     leaves, treedef = _tree.flatten_with_paths(params)
     mus, nus = [], []
     for path, p in leaves:
+      p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
       _checks.check_float_leaf(path, p.dtype, 'scale_by_grouped_second_moment')
       mus.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
       nus.append(estimator.init(p, path, dtype=nu_dtype or p.dtype)['v'])
@@ -466,6 +467,9 @@ def scale_by_grouped_second_moment(
     bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
     new_u, new_mu, new_nu = [], [], []
     for (path, g), mu, nu in zip(leaves, mus, nus):
+      g = _tree.as_array(g)  # a Python scalar gradient is a 0-d array, as in optax
+      # At trace time: a gradient of another shape would broadcast into the update.
+      _checks.check_grad_shape(path, tuple(g.shape), mu.shape, 'its momentum')
       g32 = g.astype(jnp.float32)
       # The update reads the stored (cast) moments, so that the final fused pass
       # consumes the new state instead of recomputing it from the old one (which would

@@ -26,7 +26,9 @@ GIB = 1024**3
 
 
 def leaf_bytes(x: Any, floating_only: bool = True) -> int:
-  """Bytes of one array-like leaf (array or `jax.ShapeDtypeStruct`); 0 otherwise."""
+  """Bytes of one array-like leaf (array or `jax.ShapeDtypeStruct`) or Python number (a
+  0-d array, as optax treats it); 0 otherwise."""
+  x = _tree.abstract_leaf(x)
   if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
     return 0
   dtype = jnp.dtype(x.dtype)
@@ -60,6 +62,7 @@ def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
 
 def optimizer_state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
   """Floating-point state bytes of `tx` for `params` (abstract or concrete)."""
+  _checks.check_transform(tx, params, 'sj.optimizer_state_bytes(tx, params)')
   return state_bytes(abstract_state(tx, params))
 
 
@@ -152,11 +155,11 @@ def memory_report(params: Any, tx: optax.GradientTransformation, *,
   Returns:
     A `MemoryReport`; `.format()` renders it as a markdown table.
   """
-  _checks.check_transform(tx)
+  _checks.check_transform(tx, params, 'sj.memory_report(params, tx)')
   labels = _labels.resolve_labels(params, param_labels)
   flat_labels = jax.tree_util.tree_structure(params).flatten_up_to(labels)
   by_label = state_bytes_by_label(abstract_state(tx, params), params, labels)
-  leaves = jax.tree_util.tree_leaves(params)
+  leaves = [_tree.abstract_leaf(p) for p in jax.tree_util.tree_leaves(params)]
   rows = []
   for name in dict.fromkeys(list(flat_labels) + [k for k in by_label if k != '(other)']):
     mine = [p for p, lab in zip(leaves, flat_labels) if lab == name]
@@ -195,7 +198,7 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
   Returns:
     A list of `LeafReport`, one per leaf, in tree order.
   """
-  tiers = dict(_tiered.PUBLISHED_TIERS if tiers is None else tiers)
+  tiers = _tiered.check_tiers(tiers)
   labels, notes = _labels.labels_and_notes(params, param_labels)
   if param_labels is None and _hidden.HIDDEN_TIER in tiers:
     labels = _hidden.hidden_param_labels(params, labels)
@@ -205,7 +208,7 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
   rows = []
   for (path, p), label, note, ax in zip(leaves, treedef.flatten_up_to(labels), notes, axes):
     tier = tiers[label]
-    abstract = jax.ShapeDtypeStruct(tuple(p.shape), p.dtype)
+    abstract = p = _tree.abstract_leaf(p)  # Python scalars: 0-d arrays, as in optax
     state = jax.eval_shape(
         lambda a, tier=tier, path=path, ax=ax: _tiered.init_leaf(tier, path, a, ax), abstract)
     rows.append(_labels.LeafReport(

@@ -162,8 +162,10 @@ class _Mapper:
     return treedef.unflatten([self(child) for child in children])
 
 
-def _flat_param_specs(params: Any, param_shardings: Any) -> tuple[list[Any], Optional[Mesh]]:
-  """One spec per parameter leaf (a prefix tree is broadcast) and the mesh, if named."""
+def _flat_param_specs(params: Any, param_shardings: Any
+                      ) -> tuple[list[Any], Optional[Mesh], list[Sharding]]:
+  """One spec per parameter leaf (a prefix tree is broadcast), the mesh, if named, and
+  the shardings that are neither NamedShardings nor specs (all fully replicated)."""
   params_def = jax.tree_util.tree_structure(params)
   try:
     full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), param_shardings,
@@ -176,16 +178,53 @@ def _flat_param_specs(params: Any, param_shardings: Any) -> tuple[list[Any], Opt
   meshes = {s.mesh for s in flat if isinstance(s, NamedSharding)}
   if len(meshes) > 1:
     raise ValueError('`param_shardings` use more than one mesh.')
-  specs = []
-  for s in flat:
+  specs, others = [], []
+  for (path, _), s in zip(_tree.flatten_with_paths(params)[0], flat):
     if isinstance(s, NamedSharding):
       specs.append(s.spec)
     elif s is None or isinstance(s, PartitionSpec):
       specs.append(s)
+    elif isinstance(s, Sharding) and s.is_fully_replicated:
+      # E.g. `SingleDeviceSharding` (`x.sharding` of an array on one device): every
+      # state leaf of the parameter is whole on the same devices.
+      specs.append(PartitionSpec())
+      others.append(s)
+    elif isinstance(s, Sharding):
+      raise TypeError(
+          f'`param_shardings` of {path} is a {type(s).__name__} that splits the parameter; '
+          'the state can follow only a NamedSharding (or a PartitionSpec with `mesh=`), '
+          'or a fully replicated or single-device sharding.')
     else:
-      raise TypeError('`param_shardings` leaves must be PartitionSpec, NamedSharding or '
-                      f'None, got {type(s).__name__}.')
-  return specs, (meshes.pop() if meshes else None)
+      raise TypeError('`param_shardings` leaves must be PartitionSpec, NamedSharding, '
+                      'another jax.sharding.Sharding (e.g. SingleDeviceSharding) or None, got '
+                      f'{type(s).__name__}.')
+  return specs, (meshes.pop() if meshes else None), others
+
+
+def _replicated_sharding(others: list[Sharding], specs: list[Any], mesh: Optional[Mesh]
+                         ) -> Optional[Sharding]:
+  """The sharding of every state leaf when the params have fully replicated shardings
+  other than NamedShardings (e.g. single-device ones) and no mesh; None otherwise."""
+  if not others:
+    return None
+  if mesh is not None:  # those params become replicated NamedShardings on the mesh
+    devices = set(mesh.devices.flat)
+    for s in others:
+      if set(s.device_set) != devices:
+        raise ValueError(
+            f'`param_shardings` mix a {type(s).__name__} on {sorted(map(str, s.device_set))} '
+            f'with a mesh of other devices ({sorted(map(str, devices))}); place every '
+            'parameter on the mesh (e.g. `NamedSharding(mesh, PartitionSpec())`).')
+    return None
+  if len(set(others)) > 1:
+    raise ValueError('`param_shardings` place parameters on different devices '
+                     f'({sorted({str(s) for s in others})}); put them on the same devices, '
+                     'or give NamedShardings on one mesh.')
+  if any(spec is not None and any(e is not None for e in spec) for spec in specs):
+    raise ValueError('`param_shardings` mix PartitionSpecs that split a parameter with '
+                     f'{type(others[0]).__name__}s; pass `mesh=` to say where the '
+                     'PartitionSpecs place them.')
+  return others[0]
 
 
 def _traced_init(tx: optax.GradientTransformation, params: Any
@@ -256,9 +295,10 @@ def state_shardings(
     >>> shardings[0].inner_states['experts'].inner_state.v_row['experts']['w1']
     P('expert', None)
   """
-  _checks.check_transform(tx)
-  specs, named_mesh = _flat_param_specs(params, param_shardings)
+  _checks.check_transform(tx, params, 'sj.state_shardings(tx, params, param_shardings)')
+  specs, named_mesh, others = _flat_param_specs(params, param_shardings)
   mesh = mesh if mesh is not None else named_mesh
+  replicated = _replicated_sharding(others, specs, mesh)
   abstract, recorded = _traced_init(tx, params)
   spec_of = {path: (spec, p.shape) for (path, p), spec in
              zip(_tree.flatten_with_paths(params)[0], specs)}
@@ -274,6 +314,8 @@ def state_shardings(
       leaves[i] = _Known(known)
   # Leaves that no estimator recorded (other transforms' state) are matched by shape.
   specs_tree = _Mapper(params, specs, mesh)(treedef.unflatten(leaves))
+  if replicated is not None:  # all on the same devices, whole: the same sharding
+    return jax.tree.map(lambda spec: replicated, specs_tree)
   if mesh is None:
     return specs_tree
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs_tree)
@@ -301,6 +343,7 @@ def sharded_abstract_state(
   Returns:
     A pytree of `jax.ShapeDtypeStruct`s with the structure of `tx.init(params)`.
   """
+  _checks.check_transform(tx, params, 'sj.sharded_abstract_state(tx, params, param_shardings)')
   shardings = state_shardings(tx, params, param_shardings, mesh=mesh)
   abstract = jax.eval_shape(tx.init, params)
   if not all(isinstance(s, Sharding) for s in jax.tree.leaves(shardings)):

@@ -17,6 +17,7 @@ one only composes them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Mapping, NamedTuple, Optional, Union
 
@@ -192,6 +193,24 @@ class TieredAdamState(NamedTuple):
   v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else MaskedNode.
 
 
+def check_tiers(tiers: Any) -> dict[str, Tier]:
+  """`tiers` as a dict (None: `PUBLISHED_TIERS`); raises unless it maps names to Tiers."""
+  if tiers is None:
+    return dict(PUBLISHED_TIERS)
+  if not isinstance(tiers, Mapping) or not tiers:
+    raise TypeError('`tiers` must be a non-empty mapping from tier name (a str) to '
+                    'skewadam_jax.Tier, e.g. sj.PUBLISHED_TIERS or {\'backbone\': sj.Tier(), '
+                    f'...}}, or None for sj.PUBLISHED_TIERS; got {type(tiers).__name__} '
+                    f'{tiers!r}.')
+  for name, tier in tiers.items():
+    if not isinstance(name, str):
+      raise TypeError(f'`tiers` keys must be strings (tier names), got {name!r}.')
+    if not isinstance(tier, Tier):
+      raise TypeError(f'`tiers[{name!r}]` must be a skewadam_jax.Tier, got '
+                      f'{type(tier).__name__}.')
+  return dict(tiers)
+
+
 def _for_leaf(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
               batch_axes: Optional[tuple[int, ...]]) -> _second_moment.SecondMoment:
   """`estimator.for_leaf`, also for user estimators written as `for_leaf(self, shape)`."""
@@ -217,12 +236,76 @@ def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
 def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None
               ) -> tuple[Any, dict[str, Any]]:
   """A leaf's momentum (or MaskedNode) and its statistics, one entry per state field."""
+  p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
   _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
   estimator = leaf_estimator(tuple(p.shape), tier, batch_axes, path)
   mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else optax.MaskedNode()
   stats = dict(estimator.init(p, path))
+  _checks.check_estimator_init(estimator, path, stats, _second_moment.STAT_FIELDS)
   _second_moment.record_leaf(path, estimator, tuple(p.shape), mu, stats)
   return mu, {k: stats.get(k, optax.MaskedNode()) for k in _second_moment.STAT_FIELDS}
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
+                           dtype: Any, path: str) -> dict[str, Any]:
+  return jax.eval_shape(lambda: dict(estimator.init(jnp.zeros(shape, dtype), path)))
+
+
+def abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
+                   dtype: Any, path: str) -> dict[str, Any]:
+  """The statistics `estimator.init` makes for a parameter of `shape`, as shapes only.
+
+  Cached: a model repeats few shapes. The built-in estimators' statistics do not depend
+  on the path (it only names the leaf in errors), so they are cached per shape; a user
+  estimator's per path, or not at all if it is not hashable.
+  """
+  dtype = jnp.dtype(dtype)
+  key = '' if type(estimator) in (_exact.Exact, _factored.Factored, _grouped.Grouped) else path
+  try:
+    return _cached_abstract_stats(estimator, shape, dtype, key)
+  except (TypeError, ValueError):  # unhashable, or `init` raised: uncached, with the path
+    pass
+  return jax.eval_shape(lambda: dict(estimator.init(jnp.zeros(shape, dtype), path)))
+
+
+def check_grads(tier: Tier, leaves: list[tuple[str, Any]], treedef: Any, updates: Any,
+                params: Any, mus: list[Any], stats: list[dict[str, Any]],
+                batch_axes: list[Any]) -> list[tuple[str, Any]]:
+  """`leaves` (path, gradient) with Python scalars as 0-d arrays, as in optax, once every
+  gradient is checked against its leaf's state.
+
+  Shapes are static, so the checks run once, at trace time; without them a gradient
+  of another shape (e.g. [256, 1] for a [256, 64] parameter) would broadcast against
+  the state into a full-size update. Each gradient is checked against its parameter
+  (if `params` are given), its momentum (if kept) and the statistics its estimator
+  makes for a parameter of the gradient's shape.
+  """
+  params_leaves = None
+  if params is not None:
+    try:
+      params_leaves = _metadata.flatten_like(treedef, updates, params)
+    except (ValueError, TypeError):  # not the updates' structure: checked by the state
+      pass
+  out = []
+  for i, ((path, g), mu, leaf_stats, axes) in enumerate(zip(leaves, mus, stats, batch_axes)):
+    g = _tree.as_array(g)
+    shape = tuple(g.shape)
+    if params_leaves is not None and params_leaves[i] is not None:
+      param_shape = _tree.abstract_leaf(params_leaves[i]).shape
+      _checks.check_grad_shape(path, shape, param_shape, 'the parameter')
+    if tier.momentum:
+      _checks.check_grad_shape(path, shape, mu.shape, 'its momentum')
+    present = {k: v for k, v in leaf_stats.items() if not isinstance(v, optax.MaskedNode)}
+    try:
+      estimator = leaf_estimator(shape, tier, axes, path)
+      expected = abstract_stats(estimator, shape, g.dtype, path)
+    except (ValueError, TypeError) as e:  # e.g. batch axes out of range for `g`'s rank
+      _checks.check_grad_fits_stats(path, shape, present, None, e)
+      raise
+    _checks.check_grad_fits_stats(path, shape, present, expected)
+    out.append((path, g))
+  return out
 
 
 def _is_axes(x: Any) -> bool:
@@ -371,10 +454,11 @@ def scale_by_tiered_adam(
     estimator = leaf_estimator(tuple(g.shape), tier, axes, path)
     present = {k: v for k, v in stats.items() if not isinstance(v, optax.MaskedNode)}
     u, new = estimator.update(g, present, x, step)
+    _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
     return u.astype(g.dtype), mu, {k: new.get(k, optax.MaskedNode()) for k in stats}
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args  # unused; accepted so that the transform chains like optax's
+    del extra_args  # unused; accepted so that the transform chains like optax's
     leaves, treedef = _tree.flatten_with_paths(updates)
     mus = treedef.flatten_up_to(state.mu)
     stats = [dict(zip(_second_moment.STAT_FIELDS, s)) for s in zip(*[
@@ -385,6 +469,7 @@ def scale_by_tiered_adam(
     bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
     bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
     axes = leaf_batch_axes(batch_axes, updates, [path for path, _ in leaves])
+    leaves = check_grads(tier, leaves, treedef, updates, params, mus, stats, axes)
     out = [update_leaf(path, g, mu, s, count, bc1, bc2, a)
            for (path, g), mu, s, a in zip(leaves, mus, stats, axes)]
     fields = {k: treedef.unflatten([o[2][k] for o in out]) for k in _second_moment.STAT_FIELDS}

@@ -1,11 +1,14 @@
-"""Small pytree helpers: flattening with readable, normalised paths; Flax boxes."""
+"""Small pytree helpers: flattening with readable, normalised paths; Flax boxes; leaves
+that are Python scalars."""
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Mapping, Optional
 
 import jax
+import jax.numpy as jnp
 
 
 def key_to_str(key: Any) -> str:
@@ -38,6 +41,29 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
   """Leaves of `tree` with their '/'-joined paths, and the treedef."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return [(path_str(p), leaf) for p, leaf in with_path], treedef
+
+
+def is_array_like(x: Any) -> bool:
+  """Whether `x` has a shape and a dtype (an array, a tracer, a `jax.ShapeDtypeStruct`)."""
+  return hasattr(x, 'shape') and hasattr(x, 'dtype')
+
+
+def as_array(x: Any) -> Any:
+  """`x` itself if it is array-like, else `jnp.asarray(x)`.
+
+  Optax accepts Python scalars as parameter (and gradient) leaves and treats them as
+  0-d arrays of JAX's default dtype (float32 for a float unless x64 is enabled).
+  """
+  return x if is_array_like(x) else jnp.asarray(x)
+
+
+def abstract_leaf(x: Any) -> Any:
+  """A `jax.ShapeDtypeStruct` for an array-like leaf or a Python number; else `x`."""
+  if is_array_like(x):
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+  if isinstance(x, numbers.Number):
+    return jax.ShapeDtypeStruct((), jnp.result_type(x))
+  return x
 
 
 def box_types() -> tuple[type, ...]:

@@ -123,3 +123,33 @@ def test_nnx_optimizer_trains_an_moe_model(name):
   if name == 'skewadam':
     inner = optimizer.opt_state[0].inner_states
     assert set(inner) == {'backbone', 'experts', 'router'}
+
+
+def _python_float_case(name, jit):
+  """A Python float leaf is a 0-d float32 array, as `optax.adamw` treats it: the same
+  updates and state as with `jnp.asarray(1.5)`."""
+  tx = FACTORIES[name](1e-2, weight_decay=0.1)
+  w = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+  scalar, array = {'w': w, 's': 1.5}, {'w': w, 's': jnp.asarray(1.5)}
+  grads, array_grads = {'w': jnp.cos(w), 's': 0.25}, {'w': jnp.cos(w), 's': jnp.asarray(0.25)}
+  types = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)
+  state = tx.init(scalar)
+  assert types(state) == types(tx.init(array))
+  update = jax.jit(tx.update) if jit else tx.update
+  ref, ref_state = jax.jit(tx.update)(array_grads, state, array)
+  updates, new_state = update(grads, state, scalar)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  assert types(new_state) == types(ref_state) == types(state)  # it feeds back
+  assert float(ref['s']) != 0.0
+
+
+@pytest.mark.parametrize('name', FACTORIES)
+def test_python_float_leaves_work_as_in_optax_under_jit(name):
+  _python_float_case(name, jit=True)
+
+
+@pytest.mark.slow  # eager: every op of the first update is compiled on its own
+@pytest.mark.parametrize('name', FACTORIES)
+def test_python_float_leaves_work_as_in_optax_eagerly(name):
+  _python_float_case(name, jit=False)

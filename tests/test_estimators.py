@@ -174,3 +174,69 @@ def test_straddle_error_reports_the_real_group_size():
   ok = sj.state_shardings(sj.adampm(1e-3, group_size=8), {'w': params['w']},
                           {'w': P(None, 'data')}, mesh=AbstractMesh((1,), ('data',)))
   assert ok[0].nu['w'].spec == P(None, 'data')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Broken(sj.SecondMoment):
+  """An estimator with one bug: `bug` says which (for the trace-time checks)."""
+
+  bug: str = 'stats_shape'
+  name = 'broken'
+
+  def init(self, param, path):
+    if self.bug == 'init_key':
+      return {'nu': jnp.zeros_like(param, dtype=jnp.float32)}
+    return {'v': jnp.zeros_like(param, dtype=jnp.float32)}
+
+  def update(self, g, stats, x, step):
+    v = step.b2 * stats['v'] + (1.0 - step.b2) * jnp.square(g.astype(jnp.float32))
+    u = x.astype(jnp.float32) * step.num_scale / (jnp.sqrt(v / step.bc2) + step.eps)
+    if self.bug == 'stats_shape':
+      v = jnp.mean(v, axis=-1)
+    elif self.bug == 'stats_dtype':
+      v = v.astype(jnp.bfloat16)
+    elif self.bug == 'stats_key':
+      return u, {'v_row': v}
+    elif self.bug == 'update_shape':
+      u = jnp.mean(u, axis=-1, keepdims=True)
+    return u, {'v': v}
+
+
+@pytest.mark.parametrize('bug,message', [
+    ('stats_shape', r"estimator 'broken' \(_Broken\): `update` for parameter w returned "
+                    r"statistics \{'v': 'float32\[256\]'\}, but its state holds "
+                    r"\{'v': 'float32\[256, 64\]'\}"),
+    ('stats_dtype', r"parameter w returned statistics \{'v': 'bfloat16\[256, 64\]'\}, but "
+                    r"its state holds \{'v': 'float32\[256, 64\]'\}"),
+    ('stats_key', r"returned statistics \{'v_row': 'float32\[256, 64\]'\}"),
+    ('update_shape', r"estimator 'broken' \(_Broken\): `update` for parameter w returned an "
+                     r"update of shape \(256, 1\), but the gradient has shape \(256, 64\)"),
+])
+@pytest.mark.parametrize('via', ['scale_by_tiered_adam', 'skewadam'])
+def test_user_estimator_that_breaks_its_state_is_named_at_trace_time(via, bug, message):
+  estimator = _Broken(bug)
+  params = {'w': jnp.ones((256, 64))}
+  if via == 'skewadam':
+    tiers = {'backbone': sj.Tier(second_moment=estimator)}
+    tx = sj.skewadam(1e-3, tiers=tiers, param_labels={'w': 'backbone'})
+  else:
+    tx = sj.scale_by_tiered_adam(second_moment=estimator)
+  state = tx.init(params)
+  with pytest.raises((ValueError, TypeError), match=message):
+    jax.jit(tx.update).lower(params, state, params)  # tracing alone raises
+
+
+def test_user_estimator_init_with_unknown_fields_is_named():
+  with pytest.raises(TypeError, match=r"estimator 'broken' \(_Broken\): `init` for parameter "
+                                      r"w must return a dict whose keys are among \('v_row', "
+                                      r"'v_col', 'v'\), got \{'nu'"):
+    sj.scale_by_tiered_adam(second_moment=_Broken('init_key')).init({'w': jnp.ones((4, 4))})
+
+
+def test_a_correct_user_estimator_passes_the_checks():
+  params = {'w': jnp.ones((256, 64))}
+  tx = sj.scale_by_tiered_adam(second_moment=_Broken('none'))
+  state = tx.init(params)
+  _, new = jax.jit(tx.update)(params, state)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), new) == jax.tree.map(
+      lambda a: (a.shape, a.dtype), state)

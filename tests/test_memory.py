@@ -81,3 +81,19 @@ def test_state_bytes_skip_integer_counts():
   state = sj.skewadam(1e-3).init({'w': jnp.zeros((3, 4))})
   assert sj.state_bytes(state) == 4 * (12 + 3 + 4)
   assert _memory.tree_bytes(state, floating_only=False) == 4 * (12 + 3 + 4) + 4 * 3
+
+
+def test_python_float_leaves_count_as_0d_float32_arrays():
+  """State bytes, the memory report and the label table take a Python float leaf as a
+  0-d float32 array (as optax does): 4 bytes of parameter, its state like jnp.asarray's."""
+  w = jnp.ones((4, 4))
+  scalar, array = {'w': w, 's': 1.0}, {'w': w, 's': jnp.asarray(1.0)}
+  for tx in (sj.skewadam(1e-3), sj.adampm(1e-3), optax.adamw(1e-3)):
+    assert sj.optimizer_state_bytes(tx, scalar) == sj.optimizer_state_bytes(tx, array)
+    report, ref = sj.memory_report(scalar, tx), sj.memory_report(array, tx)
+    assert report == ref and report.total_params == 17 and report.total_param_bytes == 68
+  rows = sj.label_table(scalar)
+  assert [(r.path, r.shape, r.dtype, r.param_bytes) for r in rows] == [
+      ('s', (), 'float32', 4), ('w', (4, 4), 'float32', 64)]
+  assert rows == sj.label_table(array)
+  assert _memory.leaf_bytes(1.0) == 4 and _memory.leaf_bytes('text') == 0

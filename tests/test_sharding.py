@@ -249,3 +249,35 @@ def test_state_shardings_accept_a_prefix_tree():
 def test_state_shardings_reject_a_mismatched_tree():
   with pytest.raises(ValueError, match='param_shardings'):
     sj.state_shardings(sj.skewadam(1e-3), PARAMS, {'embed': P(), 'other': P()})
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_sharded_abstract_state_on_one_device_takes_the_params_shardings(name):
+  """`x.sharding` of arrays on one device (SingleDeviceSharding) is a restore target."""
+  tx = {'skewadam': sj.skewadam, 'adampm': sj.adampm}[name](1e-3)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), PARAMS)
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  device_sharding = jax.tree.leaves(param_sh)[0]
+  assert isinstance(device_sharding, jax.sharding.SingleDeviceSharding)
+  target = sj.sharded_abstract_state(tx, params, param_sh)
+  abstract = jax.eval_shape(tx.init, params)
+  assert jax.tree.structure(target) == jax.tree.structure(abstract)
+  assert all(t.shape == a.shape and t.dtype == a.dtype and t.sharding == device_sharding
+             for t, a in zip(jax.tree.leaves(target), jax.tree.leaves(abstract)))
+  shardings = sj.state_shardings(tx, params, param_sh)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  assert all(x.sharding == device_sharding for x in jax.tree.leaves(state))
+
+
+def test_single_device_shardings_beside_a_mesh_or_specs():
+  params = {'w': jnp.zeros((4, 8)), 'b': jnp.zeros((8,))}
+  device = jax.devices()[0]
+  # Beside NamedShardings on a mesh of the same devices: replicated on the mesh.
+  mesh = jax.make_mesh((1,), ('data',))
+  sh = sj.state_shardings(sj.skewadam(1e-3), params,
+                          {'w': jax.sharding.NamedSharding(mesh, P('data')),
+                           'b': jax.sharding.SingleDeviceSharding(device)})
+  assert all(isinstance(s, jax.sharding.NamedSharding) for s in jax.tree.leaves(sh))
+  with pytest.raises(ValueError, match=r'pass `mesh=`'):
+    sj.state_shardings(sj.skewadam(1e-3), params,
+                       {'w': P('data'), 'b': jax.sharding.SingleDeviceSharding(device)})

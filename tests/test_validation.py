@@ -330,3 +330,102 @@ def test_unknown_tier_names_get_a_suggestion():
     sj.skewadam(1e-3, param_labels=labels).init(PARAMS)
   with pytest.raises(ValueError, match=r"got 'factorized' \(did you mean 'factored'\?\)"):
     sj.Tier(second_moment='factorized')
+
+
+# ---------------------------------------------------------------------------------------
+# Hyperparameters of the wrong type, arguments in the wrong order.
+
+
+@pytest.mark.parametrize('make', [sj.skewadam, sj.adampm])
+def test_weight_decay_of_the_wrong_type_names_the_argument(make):
+  with pytest.raises(TypeError, match=r"`weight_decay` must be a float, a scalar array or an "
+                                      r"optax schedule .*got str '0.1'"):
+    make(1e-3, weight_decay='0.1')
+  with pytest.raises(ValueError, match=re.escape('`weight_decay` must be >= 0, got -0.1')):
+    make(1e-3, weight_decay=-0.1)
+  params = {'w': jnp.ones((4, 4))}
+  for ok in (0.1, 0, np.float32(0.1), jnp.asarray(0.1), optax.constant_schedule(0.1)):
+    tx = make(1e-3, weight_decay=ok)
+    jax.eval_shape(tx.update, params, tx.init(params), params)
+
+
+@pytest.mark.parametrize('arg', ['b1', 'b2', 'eps'])
+@pytest.mark.parametrize('name', tuple(FACTORIES))
+def test_decay_rates_and_eps_of_the_wrong_type_name_the_argument(name, arg):
+  with pytest.raises(TypeError, match=rf"`{arg}` must be a float or a scalar array, got str"):
+    FACTORIES[name](**{arg: '0.5'})
+
+
+@pytest.mark.parametrize('make', [sj.skewadam, sj.adampm])
+def test_injected_weight_decay_still_works(make):
+  """inject_hyperparams passes weight_decay as an array (a tracer under jit)."""
+  static = ('group_size', 'axis') if make is sj.adampm else ()
+  tx = optax.inject_hyperparams(make, static_args=static)(learning_rate=1e-3,
+                                                          weight_decay=0.1)
+  state = tx.init(PARAMS)
+  updates, _ = jax.jit(tx.update)(PARAMS, state, PARAMS)
+  plain, _ = make(1e-3, weight_decay=0.1).update(
+      PARAMS, make(1e-3, weight_decay=0.1).init(PARAMS), PARAMS)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize('tiers', ['x', ['backbone'], {}, 3])
+@pytest.mark.parametrize('where', ['skewadam', 'label_table'])
+def test_tiers_that_are_not_a_mapping_of_tiers_name_tiers(where, tiers):
+  call = {'skewadam': lambda: sj.skewadam(1e-3, tiers=tiers),
+          'label_table': lambda: sj.label_table(PARAMS, tiers=tiers)}[where]
+  with pytest.raises(TypeError, match=r'`tiers` must be a non-empty mapping from tier name '
+                                      r'\(a str\) to skewadam_jax.Tier'):
+    call()
+
+
+def test_label_table_checks_each_tier():
+  with pytest.raises(TypeError, match=r"`tiers\['router'\]` must be a skewadam_jax.Tier"):
+    sj.label_table(PARAMS, tiers={**sj.PUBLISHED_TIERS, 'router': 'exact'})
+
+
+@pytest.mark.parametrize('call,right', [
+    (lambda tx: sj.optimizer_state_bytes(PARAMS, tx), 'sj.optimizer_state_bytes(tx, params)'),
+    (lambda tx: sj.memory_report(tx, PARAMS), 'sj.memory_report(params, tx)'),
+    (lambda tx: sj.state_shardings(PARAMS, tx, None),
+     'sj.state_shardings(tx, params, param_shardings)'),
+    (lambda tx: sj.sharded_abstract_state(PARAMS, tx, None),
+     'sj.sharded_abstract_state(tx, params, param_shardings)'),
+])
+def test_swapped_optimizer_and_params_say_the_right_order(call, right):
+  with pytest.raises(TypeError, match=r'`tx` must be an optax.GradientTransformation .*got '
+                                      r'dict where `tx` goes .*wrong order, call '
+                                      + re.escape(f'`{right}`')):
+    call(sj.skewadam(1e-3))
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients of another shape than their parameter's (checked at trace time).
+
+WIDE = {'w': jnp.ones((256, 64))}
+COLUMN = {'w': jnp.ones((256, 1))}
+
+
+@pytest.mark.parametrize('name', tuple(ALL))
+@pytest.mark.parametrize('jit', [False, True])
+def test_gradient_of_another_shape_names_the_leaf_and_both_shapes(name, jit):
+  tx = ALL[name]()
+  state = tx.init(WIDE)
+  update = jax.jit(tx.update) if jit else tx.update
+  with pytest.raises(ValueError, match=r'The gradient of parameter w has shape \(256, 1\), but '
+                                       r'(the parameter|its momentum) has shape \(256, 64\)'):
+    update(COLUMN, state, WIDE)
+
+
+@pytest.mark.parametrize('kind', ['factored', 'exact', 'grouped'])
+def test_gradient_shape_is_checked_against_statistics_without_momentum_or_params(kind):
+  """No momentum and no params: the statistics' shapes are what the gradient must fit."""
+  tx = sj.scale_by_tiered_adam(momentum=False, second_moment=kind)
+  state = tx.init(WIDE)
+  with pytest.raises(ValueError, match=r'The gradient of parameter w has shape \(256, 1\), '
+                                       r'which does not fit its optimizer state'):
+    jax.jit(tx.update)(COLUMN, state)
+  with pytest.raises(ValueError, match=r'The gradient of parameter w has shape \(256,\)'):
+    jax.eval_shape(tx.update, {'w': jnp.ones((256,))}, state)
+  jax.eval_shape(tx.update, WIDE, state)  # the right shape passes

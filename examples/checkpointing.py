@@ -125,8 +125,15 @@ def restore_checkpoint(path: str | os.PathLike[str], target: Any) -> Any:
 
   Returns:
     The restored pytree, with `target`'s structure and shardings.
+
+  Raises:
+    ValueError: the checkpoint holds another optimizer's state (or other params); the
+      message names what differs (`skewadam_jax.check_checkpoint_matches`).
   """
-  return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+  checkpointer = ocp.StandardCheckpointer()
+  path = os.path.abspath(path)
+  sj.check_checkpoint_matches(target, checkpointer.metadata(path), source=f'Checkpoint {path}')
+  return checkpointer.restore(path, target)
 
 
 # ----------------------------------------------------------------------------- crash-safe training

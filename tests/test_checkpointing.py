@@ -329,3 +329,13 @@ def test_two_process_run_resumes_bitwise_after_one_process_is_killed(tmp_path):
   assert mh['bitwise_equal'] and mh['arrays_compared'] > 10
   killed = [la for la in mh['launches'] if la['killed_at_save']]
   assert len(killed) == 1 and killed[0]['resumed_from'] > 0
+
+
+def test_plain_restore_helper_refuses_another_optimizer(tmp_path):
+  params = _params()
+  checkpointing.save_checkpoint(tmp_path / 'c', {'params': params,
+                                                 'opt_state': SKEWADAM.init(params)})
+  with pytest.raises(ValueError, match='optimizer state type differs'):
+    checkpointing.restore_checkpoint(tmp_path / 'c', _target(ADAMPM, params))
+  restored = checkpointing.restore_checkpoint(tmp_path / 'c', _target(SKEWADAM, params))
+  assert checkpointing.mismatches(restored['params'], params) == []

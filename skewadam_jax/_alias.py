@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
@@ -13,6 +14,23 @@ from skewadam_jax import _grouped
 from skewadam_jax import _hidden
 from skewadam_jax import _labels
 from skewadam_jax import _tiered
+from skewadam_jax import _tree
+
+
+@functools.lru_cache(maxsize=1)
+def _optax_decays_by_schedule() -> bool:
+  """Whether `optax.add_decayed_weights` takes a schedule (optax >= 0.2.8 keeps a count)."""
+  state = optax.add_decayed_weights(lambda count: 0.0).init({})
+  return 'count' in getattr(state, '_fields', ())  # a NamedTuple field, not tuple.count
+
+
+def _add_decayed_weights(weight_decay: Any, mask: Any) -> optax.GradientTransformation:
+  """`optax.add_decayed_weights`, with a schedule also on optax < 0.2.8 (which would
+  multiply the parameters by the function): injected as a hyperparameter there."""
+  if callable(weight_decay) and not _optax_decays_by_schedule():
+    return optax.inject_hyperparams(optax.add_decayed_weights, static_args=('mask',))(
+        weight_decay=weight_decay, mask=mask)
+  return optax.add_decayed_weights(weight_decay, mask)
 
 
 def tier_labeler(tiers: Mapping[str, _tiered.Tier], param_labels: Any = None
@@ -94,9 +112,11 @@ def skewadam(
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
   tiers = _tiered.check_tiers(tiers)
   labeler = tier_labeler(tiers, param_labels)
+  # The built-in labeler reports unsure subtrees (a stack or a bank?) itself.
+  labeler_reports = param_labels is None or isinstance(param_labels, _labels.Labeler)
   for tier in tiers.values():  # checks the hyperparameters now, not at the first init
     _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier)
-  if batch_axes is not None and not callable(batch_axes):
+  if batch_axes is not None and not _tree.is_function(batch_axes):
     batch_axes_tree = batch_axes
     batch_axes = lambda params: batch_axes_tree  # noqa: E731
 
@@ -105,11 +125,16 @@ def skewadam(
     # experts, every leaf of a scanned stack); each tier's rule then sees only its
     # leaves, looking its batch axes up by path.
     labels = labeler(params)
-    axes = (_axes.moe_batch_axes(params, labels) if batch_axes is None
-            else batch_axes(params))
+    if batch_axes is None:
+      axes = _axes.batch_axes_tree(params, labels, labels_reported=labeler_reports)
+    else:
+      with _axes.labels_in_use(params, labels):  # moe_batch_axes(p) in it sees them
+        axes = batch_axes(params)
     transforms = {name: _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier, batch_axes=axes)
                   for name, tier in tiers.items()}
-    return optax.partition(transforms, labels)
+    # A function, not the label tree: optax would call a callable tree (an Equinox
+    # module) as the labeler.
+    return optax.partition(transforms, lambda _: labels)
 
   def init_fn(params: Any) -> Any:
     return partition(params).init(params)
@@ -122,7 +147,7 @@ def skewadam(
 
   return optax.chain(
       optax.GradientTransformation(init_fn, update_fn),
-      optax.add_decayed_weights(weight_decay, decay_mask),
+      _add_decayed_weights(weight_decay, decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 
@@ -181,6 +206,6 @@ def adampm(
       _grouped.scale_by_grouped_second_moment(
           b1, b2, eps, group_size=group_size, axis=axis, mu_dtype=mu_dtype,
           nu_dtype=nu_dtype),
-      optax.add_decayed_weights(weight_decay, mask),
+      _add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

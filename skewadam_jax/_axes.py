@@ -12,13 +12,16 @@ then per slice, and a leaf whose other axes form a vector gets the exact estimat
 1. the user's rules `(pattern, axes)` (whole-segment globs, first match wins);
 2. logical axis names, only with `use_axis_names=True`: axes named like a layer stack
    (`layers`, `dense_layers`, `local_layers`, `stage`, ...) or experts (`exp`, ...);
-3. structure, from paths and shapes:
+3. structure, from paths and shapes (`_stacks`):
    * scanned layers: under a module called `layers`, `*_layers`, `scanned_blocks`, ...
      (not followed by a numbered sub-module, as unrolled `layers/0` are), the one
      axis position that has the same length in every leaf is the layer axis (nested
-     scans add one axis per level);
-   * the expert tier: axis 0 is the expert axis of a stacked bank (also for a
-     per-expert bias [E, F] or scale [E] beside a stacked kernel [E, ..., d, f]);
+     scans add one axis per level); under any other module whose leaves all share one
+     axis length that no leaf outside it has, and beside no router candidate, that
+     axis (so a stack is found whatever it is called);
+   * the expert tier: the first axis that no scan explains is the expert axis of a
+     stacked bank (also for a per-expert bias [E, F] or scale [E] beside a stacked
+     kernel [E, ..., d, f]);
    * gemma's `kv_einsum` stacks k and v on axis 0;
    * outside attention, axes before the last two of what is left stay batch axes, as
      by default (attention head axes are part of the matrix);
@@ -30,15 +33,18 @@ and `update` (the pure arrays that `nnx.Optimizer` passes) get the same axes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import re
 import warnings
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import jax
 
 from skewadam_jax import _labels
 from skewadam_jax import _second_moment
+from skewadam_jax import _stacks
 from skewadam_jax import _tree
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
@@ -46,8 +52,6 @@ AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching l
 # Logical axis names of a stack of layers (MaxText: 'layers', 'dense_layers',
 # 'moe_layers', 'local_layers'; pipeline stages).
 _LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
-# Modules that hold scanned (stacked) layers when they are not followed by an index.
-_SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
 _ATTENTION = ('attn', 'attention')
 # Built-in rules: gemma stacks the k and v projections of `kv_einsum` on axis 0.
 DEFAULT_AXES_RULES: tuple[AxesRule, ...] = (('*kv_einsum/w', (0,)),)
@@ -64,6 +68,11 @@ class _Leaf:
   source: str = ''
   scan: set[int] = dataclasses.field(default_factory=set)
 
+  @property
+  def core(self) -> tuple[int, ...]:
+    """The shape of one layer's leaf: `shape` without its scanned axes."""
+    return _stacks.core_shape(self.shape, self.scan)
+
 
 def _named(entry: Any, pattern: Any, names: frozenset[str]) -> bool:
   entries = entry if isinstance(entry, (tuple, list)) else (entry,)
@@ -71,47 +80,37 @@ def _named(entry: Any, pattern: Any, names: frozenset[str]) -> bool:
              for e in entries)
 
 
-def _scan_containers(leaves: list[_Leaf]) -> list[str]:
-  """Adds the layer axes of scanned stacks to `leaf.scan`; returns unsure findings."""
-  containers: dict[tuple[str, ...], list[_Leaf]] = {}
-  for leaf in leaves:
-    for i, seg in enumerate(leaf.segs[:-1]):
-      if _SCAN_SEGMENT.match(seg) and not leaf.segs[i + 1].isdigit():
-        containers.setdefault(leaf.segs[:i + 1], []).append(leaf)
-  unsure = []
-  for prefix in sorted(containers, key=len):  # outer stacks first
-    members = containers[prefix]
-    if len(members) < 2:
-      continue
-    known = set.intersection(*(m.scan for m in members))
-    ndim = min(len(m.shape) for m in members)
-    common = [p for p in range(ndim) if p not in known
-              and len({m.shape[p] for m in members}) == 1]
-    if len(common) == 1:
-      for m in members:
-        m.scan.add(common[0])
-    elif len(common) > 1:
-      unsure.append(f"{'/'.join(prefix)}: axes {common} have the same length in all "
-                    f'{len(members)} leaves, so which one stacks the layers is unclear; '
-                    "pass batch_axes rules, e.g. sj.moe_batch_axes(params, rules=[('"
-                    f"{'/'.join(prefix)}/**', ({common[0]},))])")
-  return unsure
+def _stacks_of(leaves: list[_Leaf], shapes: list[Optional[tuple[int, ...]]]
+               ) -> _stacks.Structure:
+  """Adds the layer axes of scanned stacks (named or not) to `leaf.scan`."""
+  found = _stacks.analyse([x.path for x in leaves], [x.segs for x in leaves], shapes,
+                          [x.tier for x in leaves], [True] * len(leaves))
+  for leaf, scan in zip(leaves, found.scan):
+    leaf.scan = scan
+  return found
+
+
+def _expert_axis(leaf: _Leaf) -> Optional[int]:
+  """The first axis of `leaf` that no scan explains (where a stacked bank keeps E)."""
+  free = _stacks.core_axes(leaf.shape, leaf.scan)
+  return free[0] if free else None
 
 
 def _banked(leaves: list[_Leaf]) -> set[int]:
-  """Indices of experts-tier leaves whose axis 0 is the expert axis of a stacked bank.
+  """Indices of experts-tier leaves whose first unscanned axis indexes the experts.
 
   A per-expert bias [E, F] or scale [E] sits beside a stacked kernel [E, ..., d, f]
-  (rank >= 3, same leading length) under its own parent module; an expert written as
-  its own module (`expert_0/w` [d, f]) has no such neighbour, and keeps the default.
+  (>= 3 unscanned axes, same first unscanned length) under its own parent module; an
+  expert written as its own module (`expert_0/w` [d, f]) has no such neighbour, and
+  keeps the default.
   """
-  stacked = [x for x in leaves if x.tier == 'experts' and len(x.shape) >= 3]
+  stacked = [x for x in leaves if x.tier == 'experts' and len(x.core) >= 3]
   out = set()
   for i, leaf in enumerate(leaves):
-    if leaf.tier != 'experts' or not leaf.shape:
+    if leaf.tier != 'experts' or not leaf.core:
       continue
     parent = leaf.segs[:-1]
-    if any(y is not leaf and y.segs[:len(parent)] == parent and y.shape[0] == leaf.shape[0]
+    if any(y is not leaf and y.segs[:len(parent)] == parent and y.core[0] == leaf.core[0]
            for y in stacked):
       out.add(i)
   return out
@@ -121,27 +120,61 @@ def _structure(leaf: _Leaf, banked: bool) -> set[int]:
   axes = set(leaf.scan)
   ndim = len(leaf.shape)
   if banked:
-    axes.add(0)
+    axes.add(_expert_axis(leaf))
   if not any(a in seg for seg in leaf.segs for a in _ATTENTION):
     rest = [a for a in range(ndim) if a not in axes]
     axes.update(rest[:-2])
   return axes
 
 
+# The labels `skewadam` resolved for the params its `batch_axes` function is called on,
+# so that `moe_batch_axes(p)` inside that function sees the user's `param_labels`.
+_LABELS_IN_USE: contextvars.ContextVar[Optional[tuple[Any, Any]]] = contextvars.ContextVar(
+    'skewadam_jax_labels_in_use', default=None)
+
+
+@contextlib.contextmanager
+def labels_in_use(params: Any, labels: Any) -> Iterator[None]:
+  """Within: `moe_batch_axes(params)` (no `param_labels`) uses `labels` for `params`."""
+  token = _LABELS_IN_USE.set((jax.tree_util.tree_structure(params), labels))
+  try:
+    yield
+  finally:
+    _LABELS_IN_USE.reset(token)
+
+
+def _labels_for(params: Any, labels: Any) -> tuple[Any, bool]:
+  """The full label tree of `params`, and whether a `Labeler` reported on it already."""
+  if labels is None:
+    in_use = _LABELS_IN_USE.get()
+    if in_use is not None and in_use[0] == jax.tree_util.tree_structure(params):
+      return _labels.broadcast_labels(params, in_use[1]), True
+  reported = labels is None or labels is _labels.moe_param_labels or isinstance(
+      labels, _labels.Labeler)
+  return _labels.resolve_labels(params, labels), reported
+
+
 def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
-           use_axis_names: bool = False, warn: bool = True
-           ) -> tuple[list[_Leaf], Any]:
-  """Every leaf of `params` with its batch axes decided (flattening order), and treedef."""
+           use_axis_names: bool = False, warn: bool = True,
+           labels_reported: Optional[bool] = None) -> tuple[list[_Leaf], Any]:
+  """Every leaf of `params` with its batch axes decided (flattening order), and treedef.
+
+  `labels_reported`: whether the labeler already reported the subtrees that read as a
+  stack and as a bank alike (default: when `labels` is None or a `Labeler`).
+  """
   names = _labels._axis_names_by_path(params) if use_axis_names else {}  # noqa: SLF001
-  full_labels = _labels.resolve_labels(params, labels)
+  full_labels, reported = _labels_for(params, labels)
+  if labels_reported is not None:
+    reported = labels_reported
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   tiers = treedef.flatten_up_to(full_labels)
-  leaves = []
+  leaves, shapes = [], []
   for (path, x), tier in zip(flat, tiers):
     segs = _tree.path_segments(path)
     leaves.append(_Leaf(path='/'.join(segs) or '<root>',
                         segs=tuple(s.lower() for s in segs), shape=_labels._shape(x),  # noqa: SLF001
                         names=names.get(segs), tier=tier))
+    shapes.append(leaves[-1].shape if _labels._is_array(x) else None)  # noqa: SLF001
   compiled = [(_labels._compile(p), tuple(a), p) for p, a in rules]  # noqa: SLF001
   defaults = [(_labels._compile(p), tuple(a), p) for p, a in DEFAULT_AXES_RULES]  # noqa: SLF001
   for leaf in leaves:
@@ -156,7 +189,8 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
       leaf.axes = {i for i, e in enumerate(leaf.names)
                    if _named(e, _LAYER_AXIS_NAME, _labels.EXPERT_AXIS_NAMES)}
       leaf.source = 'axis names'
-  unsure = _scan_containers(leaves)
+  found = _stacks_of(leaves, shapes)
+  unsure = found.ambiguous + ([] if reported else [line for line, _ in found.confusions])
   banked = _banked(leaves)
   for i, leaf in enumerate(leaves):
     if leaf.axes is not None:
@@ -220,7 +254,10 @@ def moe_batch_axes(params: Any, param_labels: Any = None, *,
 
   Args:
     params: a pytree of arrays, `jax.ShapeDtypeStruct`s or Flax variables.
-    param_labels: the tiers (a label tree or labeler); default `moe_param_labels`.
+    param_labels: the tiers (a label tree or labeler); default `moe_param_labels`, or,
+      inside the `batch_axes` function given to `skewadam`, the labels `skewadam`
+      uses (so `batch_axes=lambda p: sj.moe_batch_axes(p, rules=...)` agrees with its
+      `param_labels`).
     rules: ordered `(pattern, axes)` pairs checked first, e.g.
       `[('decoder/layers/**', (1,))]`; negative axes count from the end.
     use_axis_names: let logical axis names decide the leaves that carry them.
@@ -239,6 +276,12 @@ def moe_batch_axes(params: Any, param_labels: Any = None, *,
   return treedef.unflatten([tuple(sorted(x.axes)) for x in leaves])
 
 
+def batch_axes_tree(params: Any, labels: Any, *, labels_reported: bool) -> Any:
+  """`moe_batch_axes(params, labels)`, saying whether the labeler reported already."""
+  leaves, treedef = decide(params, labels, labels_reported=labels_reported)
+  return treedef.unflatten([tuple(sorted(x.axes)) for x in leaves])
+
+
 def batch_axes_and_notes(params: Any, labels: Any, batch_axes: Any = None
                          ) -> tuple[list[tuple[int, ...]], list[str]]:
   """Each leaf's batch axes (flattening order) and how they were decided."""
@@ -247,7 +290,8 @@ def batch_axes_and_notes(params: Any, labels: Any, batch_axes: Any = None
     return [tuple(sorted(x.axes)) for x in leaves], [x.source for x in leaves]
   from skewadam_jax import _tiered  # noqa: PLC0415 -- _tiered imports nothing of ours back
   paths = [p for p, _ in _tree.flatten_with_paths(params)[0]]
-  got = _tiered.leaf_batch_axes(batch_axes, params, paths)
+  with labels_in_use(params, labels):
+    got = _tiered.leaf_batch_axes(batch_axes, params, paths)
   shapes = [_labels._shape(x) for x in jax.tree_util.tree_leaves(params)]  # noqa: SLF001
   out = []
   for axes, shape in zip(got, shapes):

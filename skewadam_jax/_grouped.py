@@ -79,6 +79,11 @@ def grouped_shape(shape: tuple[int, ...], group_size: int, axis: Optional[int]
   return tuple(shape)
 
 
+# Shardings in types (Explicit meshes) came with `jax.typeof` (jax 0.6); before it no
+# array's type names mesh axes, so nothing is Explicit-sharded.
+_TYPEOF = getattr(jax, 'typeof', None)
+
+
 def axis_shards(x: Any, axis: Optional[int]) -> tuple[Any, int]:
   """The Explicit-mesh axes that shard `x` along `axis`, and the number of shards.
 
@@ -86,9 +91,9 @@ def axis_shards(x: Any, axis: Optional[int]) -> tuple[Any, int]:
   only under an Explicit mesh; under an Auto mesh, `pmap`, inside `shard_map` (local
   shards) or without a mesh it gives `(None, 1)`.
   """
-  if axis is None:
+  if axis is None or _TYPEOF is None:
     return None, 1
-  sharding = getattr(jax.typeof(x), 'sharding', None)
+  sharding = getattr(_TYPEOF(x), 'sharding', None)
   spec = getattr(sharding, 'spec', None)
   if spec is None or axis >= len(spec) or not isinstance(spec[axis], (str, tuple)):
     return None, 1

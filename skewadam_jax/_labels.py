@@ -8,14 +8,24 @@ so that `init` (boxed Linen params, `nnx.State`) and `update` (the pure arrays t
 2. numbered sibling modules (`expert_0 .. expert_{n-1}`): one module per expert;
 3. `DEFAULT_RULES` (first match wins);
 4. logical axis names, only in `moe_param_labels(..., use_axis_names=True)`;
-5. structure, within one MoE block: leaves beside a router [d, E] whose leading axis
-   is E are experts; a kernel [..., E] beside a bank of E experts is a router;
-6. `DENSE_RULES` (known dense modules, backbone);
-7. the default tier, `backbone` (lossless).
+5. shapes alone (`_stacks`): scanned stacks (a subtree whose leaves all share one
+   axis length that nothing outside has), whose axis is then never read as an expert
+   count, and expert banks (a subtree whose leaves share an axis length E, beside a
+   router candidate [d, E] whose d is an axis of the bank): bank and router, whatever
+   they are called;
+6. structure, within one MoE block: leaves beside a router [d, E] whose first axis
+   (after the scanned ones) is E are experts; a kernel [..., E] beside a bank of E
+   experts is a router;
+7. `DENSE_RULES` (known dense modules, backbone);
+8. the default tier, `backbone` (lossless).
 
 Only paths and shapes are used (plus axis names where asked), so the same tree gets the
-same labels whether its leaves are arrays, tracers or `jax.ShapeDtypeStruct`s. Leaves
-the labeler is unsure about are reported (a warning, or a `ValueError` when `strict`).
+same labels whether its leaves are arrays, tracers or `jax.ShapeDtypeStruct`s, and
+whatever the container (dicts, lists, Flax states and boxes, Equinox modules, custom
+pytree nodes); a leaf that is not an array (an Equinox module's function or integer
+field) is static, as `eqx.filter(model, eqx.is_array)` has it: it gets the default
+tier and takes no part in the structure. Leaves the labeler is unsure about are
+reported (a warning, or a `ValueError` when `strict`).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import jax
 import numpy as np
 
 from skewadam_jax import _checks
+from skewadam_jax import _stacks
 from skewadam_jax import _tree
 
 Rule = tuple[str, str]  # (pattern, tier): pattern is '/'-separated segment globs.
@@ -88,7 +99,7 @@ EXPERT_AXIS_NAMES = frozenset({'exp', 'expert', 'experts', 'num_experts', 'route
 
 _SHARED = re.compile(r'shared[_-]?(expert|mlp|ffn|ffw|feed|dense|moe)')
 _NUMBERED_EXPERT = re.compile(r'^(?P<stem>.*?experts?)[_-]?(?P<idx>\d+)$')
-_NOT_KERNEL = ('bias', 'scale')  # router leaves that do not carry the expert count
+_NOT_KERNEL = _stacks.NOT_KERNEL  # router leaves that do not carry the expert count
 
 
 class UnsureLabelWarning(UserWarning):
@@ -194,6 +205,13 @@ class _Leaf:
   unit: tuple[str, ...] = ()  # the matched module (router / expert bank) it belongs to
   count: Optional[int] = None  # expert count, where structure knows it
   note: str = ''
+  is_array: bool = True  # False: a static field (a function, an int), not a parameter
+  scan: set[int] = dataclasses.field(default_factory=set)  # scanned (layer) axes
+
+  @property
+  def core(self) -> tuple[int, ...]:
+    """The shape of one layer's leaf: `shape` without its scanned axes."""
+    return _stacks.core_shape(self.shape, self.scan)
 
   @property
   def named_expert_axis(self) -> Optional[int]:
@@ -209,6 +227,12 @@ class _Leaf:
   @property
   def names_well_formed(self) -> bool:
     return self.names is not None and len(self.names) == len(self.shape)
+
+
+def _is_array(x: Any) -> bool:
+  """Whether a leaf is an array (or tracer, `ShapeDtypeStruct`, Flax box of one), or a
+  Python/NumPy number that optax would treat as a 0-d array; not a function or string."""
+  return hasattr(x, 'shape') and hasattr(x, 'dtype') or isinstance(x, (int, float, complex))
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -288,10 +312,45 @@ def _axis_name_experts(leaves: list[_Leaf]) -> None:
 
 
 def _router_count(leaf: _Leaf) -> Optional[int]:
-  """The expert count E of a router kernel: [d, E], [d, L, E] or (transposed) [E, d]."""
-  if len(leaf.shape) < 2 or any(s in leaf.segs[-1] for s in _NOT_KERNEL):
+  """The expert count E of a router kernel: [d, E] or (transposed) [E, d], read after
+  the scanned axes are removed (a stacked router [R, d, E] or [d, L, E] is [d, E])."""
+  core = leaf.core
+  if len(core) < 2 or any(s in leaf.segs[-1] for s in _NOT_KERNEL):
     return None
-  return min(leaf.shape[0], leaf.shape[-1])  # E < d in every MoE
+  return min(core[0], core[-1])  # E < d in every MoE
+
+
+def _stacks_and_banks(leaves: list[_Leaf], label: bool) -> _stacks.Structure:
+  """Scanned axes of every leaf; with `label`, name-free banks and their routers."""
+  found = _stacks.analyse([x.path for x in leaves], [x.segs for x in leaves],
+                          [x.shape if x.is_array else None for x in leaves],
+                          [x.tier for x in leaves], [x.tier is not None for x in leaves])
+  for leaf, scan in zip(leaves, found.scan):
+    leaf.scan = scan
+  if not label:
+    return found
+  for group in found.groups:
+    if group.kind != 'bank':
+      continue
+    where = '/'.join(group.prefix) or '<root>'
+    first = leaves[group.routers[0]].path
+    for i in group.members:
+      leaf = leaves[i]
+      if leaf.tier is None:
+        leaf.tier, leaf.source, leaf.unit, leaf.count = (
+            'experts', 'structure', group.prefix, group.length)
+        leaf.why = (f'axis {group.axis} ({group.length}) is shared by the leaves of a '
+                    f'bank in {where}, beside router candidate {first}')
+    for r in group.routers:
+      router = leaves[r]
+      if router.tier is None:
+        router.tier, router.source, router.unit = 'router', 'structure', router.segs[:-1]
+        router.why = (f'maps an axis of bank {where} to its {group.length} experts')
+      for leaf in leaves:  # its bias / scale, in the same module
+        if leaf.tier is None and leaf.segs[:-1] == router.segs[:-1]:
+          leaf.tier, leaf.source, leaf.unit = 'router', 'structure', router.segs[:-1]
+          leaf.why = f'beside router kernel {router.path}'
+  return found
 
 
 def _structure(leaves: list[_Leaf], use_axis_names: bool) -> None:
@@ -311,10 +370,11 @@ def _structure(leaves: list[_Leaf], use_axis_names: bool) -> None:
     if e is None or e < 2 or not block:
       continue
     for leaf in children.get(block, []):
-      if free(leaf) and leaf.shape and leaf.shape[0] == e and not (
+      if free(leaf) and leaf.core and leaf.core[0] == e and not (
           leaf.segs[:len(router.unit)] == router.unit):
         leaf.tier, leaf.source, leaf.unit = 'experts', 'structure', leaf.segs
-        leaf.why = f'leading axis {e} = the expert count of router {router.path}'
+        leaf.why = (f'{"first unscanned" if leaf.scan else "leading"} axis {e} = the '
+                    f'expert count of router {router.path}')
 
   # A kernel [..., E] beside a bank of E experts (in a block with no router): router.
   banks: dict[tuple[str, ...], dict[tuple[str, ...], list[_Leaf]]] = {}
@@ -330,11 +390,12 @@ def _structure(leaves: list[_Leaf], use_axis_names: bool) -> None:
     e = counts.pop()
     found = []
     for leaf in children.get(block, []):
-      if leaf.tier is not None or len(leaf.shape) < 2:
+      core = leaf.core
+      if leaf.tier is not None or len(core) < 2:
         continue
       torch_layout = leaf.segs[-1] == 'weight'  # [out, in]
-      count = leaf.shape[0] if torch_layout else leaf.shape[-1]
-      other = leaf.shape[-1] if torch_layout else leaf.shape[0]
+      count = core[0] if torch_layout else core[-1]
+      other = core[-1] if torch_layout else core[0]
       if count == e and other != e:
         leaf.tier, leaf.source, leaf.unit = 'router', 'structure', leaf.segs[:-1]
         leaf.why = (f'{"first" if torch_layout else "last"} axis {e} = the expert count '
@@ -354,7 +415,7 @@ def _bank_count(members: list[_Leaf], unit: tuple[str, ...]) -> Optional[int]:
   numbered = {m.segs[len(unit)] for m in members if len(m.segs) > len(unit)}
   if numbered and all(s.isdigit() for s in numbered):
     return len(numbered)  # HF-style experts/0/w1, experts/1/w1, ...
-  leading = {m.shape[0] for m in members if len(m.shape) >= 2}
+  leading = {m.core[0] for m in members if len(m.core) >= 2}
   return leading.pop() if len(leading) == 1 else None
 
 
@@ -365,15 +426,22 @@ def _rule_hint(path: str, tier: str) -> str:
   return f"sj.make_labeler([({path!r}, {tier!r})])"
 
 
-def _issues(leaves: list[_Leaf], use_axis_names: bool) -> list[str]:
+def _issues(leaves: list[_Leaf], use_axis_names: bool,
+            found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
   lines = []
+  for line, members in (found.confusions if found is not None else ()):
+    for i in members:
+      leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
+    lines.append(line)
   for leaf in leaves:
     where = f'{leaf.path} {list(leaf.shape)}'
-    if leaf.source == 'default' and len(leaf.shape) >= 3 and leaf.shape[0] > 1 and not (
-        use_axis_names and leaf.names_well_formed):
-      reason = (f'rank-{len(leaf.shape)} leaf left in {leaf.tier!r} by default (no rule or '
-                'structure says what it is)')
+    core = leaf.core
+    if leaf.source == 'default' and len(core) >= 3 and core[0] > 1 and not (
+        use_axis_names and leaf.names_well_formed) and not leaf.note:
+      scanned = f' beside scanned axes {sorted(leaf.scan)}' if leaf.scan else ''
+      reason = (f'rank-{len(core)} leaf{scanned} left in {leaf.tier!r} by default (no '
+                'rule or structure says what it is)')
       leaf.note = f'UNSURE: {reason}'
       lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
                    f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
@@ -448,34 +516,41 @@ class Labeler:
   def explain(self, params: Any, *, use_axis_names: bool = False
               ) -> tuple[Any, list[str]]:
     """(labels, a note per leaf in flattening order); warns or raises once if unsure."""
-    leaves, treedef = self._decide(params, use_axis_names)
-    _report(_issues(leaves, use_axis_names), self.strict)
+    leaves, treedef, found = self._decide(params, use_axis_names)
+    _report(_issues(leaves, use_axis_names, found), self.strict)
     notes = [x.note or (f'{x.source}: {x.why}' if x.source in ('structure', 'axis names')
                         else '') for x in leaves]
     return treedef.unflatten([x.tier for x in leaves]), notes
 
-  def _decide(self, params: Any, use_axis_names: bool) -> tuple[list[_Leaf], Any]:
+  def _decide(self, params: Any, use_axis_names: bool
+              ) -> tuple[list[_Leaf], Any, _stacks.Structure]:
     names = _axis_names_by_path(params)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = []
     for path, x in flat:
       segs = _tree.path_segments(path)
       leaves.append(_Leaf(path='/'.join(segs) or '<root>', segs=_lower(segs),
-                          shape=_shape(x), names=names.get(segs)))
+                          shape=_shape(x), names=names.get(segs), is_array=_is_array(x)))
+    for leaf in leaves:
+      if not leaf.is_array:  # a static field: no parameter, no state
+        leaf.tier, leaf.source, leaf.why = self.default, 'static', 'not an array'
     _apply_rules(leaves, self._user, 'rule')
     if self.use_default_rules:
       _numbered_experts(leaves)
       _apply_rules(leaves, self._default_rules, 'default rule')
       if use_axis_names:
         _axis_name_experts(leaves)
+      found = _stacks_and_banks(leaves, label=True)
       _structure(leaves, use_axis_names)
       _apply_rules(leaves, self._dense_rules, 'dense rule')
-    elif use_axis_names:
-      _axis_name_experts(leaves)
+    else:
+      if use_axis_names:
+        _axis_name_experts(leaves)
+      found = _stacks_and_banks(leaves, label=False)
     for leaf in leaves:
       if leaf.tier is None:
         leaf.tier, leaf.source = self.default, 'default'
-    return leaves, treedef
+    return leaves, treedef, found
 
 
 def make_labeler(rules: Optional[Iterable[Rule]] = None, *, default: str = DEFAULT_TIER,
@@ -603,7 +678,7 @@ def resolve_labels(params: Any, param_labels: Any = None) -> Any:
   axis names, so `init` and `update` agree)."""
   if param_labels is None:
     labels = _DEFAULT_LABELER(params)
-  elif callable(param_labels):
+  elif _tree.is_function(param_labels):  # not a callable tree (an Equinox module)
     labels = param_labels(params)
   else:
     labels = param_labels

@@ -322,7 +322,7 @@ def leaf_batch_axes(batch_axes: Any, tree: Any, paths: list[str]) -> list[Any]:
   """
   if batch_axes is None:
     return [None] * len(paths)
-  if callable(batch_axes):
+  if _tree.is_function(batch_axes):  # not a callable tree (an Equinox module)
     batch_axes = batch_axes(tree)
   flat, _ = jax.tree_util.tree_flatten_with_path(batch_axes, is_leaf=_is_axes)
   table = {}

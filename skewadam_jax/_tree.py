@@ -3,6 +3,7 @@ that are Python scalars."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 import sys
 from typing import Any, Mapping, Optional
@@ -64,6 +65,23 @@ def abstract_leaf(x: Any) -> Any:
   if isinstance(x, numbers.Number):
     return jax.ShapeDtypeStruct((), jnp.result_type(x))
   return x
+
+
+def is_function(x: Any) -> bool:
+  """Whether `x` is a function of the params (a labeler), not a tree that is callable.
+
+  An Equinox module, an NNX module or variable, or any other registered pytree node
+  may be callable (its `__call__` is the model's forward pass) and is still a tree of
+  parameters, labels or axes: only a callable that is a pytree leaf (a function, a
+  lambda, a `Labeler`, any other callable object) or a `functools.partial` is a
+  function. Deciding by `callable` alone would run a model's forward on its params.
+  """
+  if isinstance(x, functools.partial):  # also jax.tree_util.Partial, a pytree node
+    return True
+  if not callable(x):
+    return False
+  treedef = jax.tree_util.tree_structure(x)
+  return treedef.num_nodes == 1 and treedef.num_leaves == 1  # x is a leaf
 
 
 def box_types() -> tuple[type, ...]:

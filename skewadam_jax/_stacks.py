@@ -1,0 +1,275 @@
+"""Scanned stacks and expert banks, read from paths and shapes without trusting names.
+
+Both carry one extra axis of a common length on every leaf of a subtree: a scanned
+(stacked) block puts its repeat count R on every leaf it holds (a norm scale [R, d],
+a projection [R, d, h], an expert bank [R, E, d, f]); an expert bank puts its expert
+count E on every leaf of the bank ([E, d, f], [E, f, d], a bias [E, f]). What tells
+them apart is the router: a bank of E experts sits beside a router candidate, a kernel
+[d, E] (or [E, d] in PyTorch's layout) whose other axis d is an axis of the bank, while
+a stack's length is an axis of nothing outside the stack. A shared length that is
+neither (a feature width shared by q, k and v) is left alone.
+
+A subtree is examined (outermost first, so that E is never read from an axis a scan
+explains) when
+
+* a module name says it is a stack (`layers`, `*_layers`, `scan`, `blocks`, ...; not
+  followed by a numbered module, as unrolled `layers/0` are): the one position not yet
+  explained that has the same length in all its leaves is the layer axis; or
+* it is not the whole tree, it holds >= 2 array leaves, each with >= 2 axes not yet
+  explained and one with >= 3, and some position, the last of no leaf, has the same
+  length (> 1) in all of them: that position is the layer axis of a stack if nothing
+  outside has that length and the leaves belong to >= 2 modules, the expert axis of a
+  bank if a router candidate sits beside the subtree. (A stack whose layer axis is the
+  last axis of a leaf, as MaxText's norm scales [d, L], is found by its name only.)
+
+A bank may also be the sibling leaves of one module beside their router
+(`ffn/{sel [d, E], w_in [E, d, f], w_out [E, f, d]}`): those are found last.
+
+Two readable positions (R == E laid out alike, or two lengths no other leaf explains)
+are reported: which axis stacks the layers and which indexes the experts is then a
+guess, and the report names the paths and the rule that settles it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional, Sequence
+
+# Modules that hold scanned (stacked) layers when they are not followed by an index.
+SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
+# Router leaves that do not carry the expert count on a kernel axis.
+NOT_KERNEL = ('bias', 'scale')
+
+
+@dataclasses.dataclass
+class Group:
+  """A subtree whose leaves share one axis length: a scanned stack or an expert bank."""
+  prefix: tuple[str, ...]  # lowercase segments of the subtree's module
+  members: list[int]  # indices of its leaves
+  axis: int  # the shared axis, as a position in each member's full shape
+  length: int  # R (stack) or E (bank)
+  kind: str  # 'stack' | 'bank'
+  named: bool  # a module name says it is a stack
+  routers: list[int] = dataclasses.field(default_factory=list)  # candidates beside a bank
+
+
+@dataclasses.dataclass
+class Structure:
+  """Scan axes of every leaf, the stacks and banks found, and unsure findings."""
+  scan: list[set[int]]  # per leaf: positions of its scanned (layer) axes
+  groups: list[Group]
+  ambiguous: list[str]  # named stacks whose layer axis is unclear: the paths and the fix
+  # Subtrees that read as a stack of layers and as a bank of experts alike: (the finding
+  # with the paths and the fix, the leaves concerned).
+  confusions: list[tuple[str, list[int]]]
+
+
+def core_axes(shape: Sequence[int], scan: set[int]) -> list[int]:
+  """Positions of `shape` that no scan explains, in order."""
+  return [p for p in range(len(shape)) if p not in scan]
+
+
+def core_shape(shape: Sequence[int], scan: set[int]) -> tuple[int, ...]:
+  """`shape` without its scanned axes: the shape of one layer's leaf."""
+  return tuple(shape[p] for p in core_axes(shape, scan))
+
+
+def router_count(core: Sequence[int], torch_layout: bool, dims: set[int]
+                 ) -> Optional[int]:
+  """E if a kernel of core shape `core` maps an axis in `dims` to E outputs, else None."""
+  if len(core) != 2:
+    return None
+  count, other = (core[0], core[1]) if torch_layout else (core[1], core[0])
+  return count if other in dims and other != count else None
+
+
+def _nodes(segs: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], list[int]]:
+  """Every module prefix (not the root, not a leaf itself) -> indices of its leaves."""
+  nodes: dict[tuple[str, ...], list[int]] = {}
+  for i, s in enumerate(segs):
+    for n in range(1, len(s)):
+      nodes.setdefault(s[:n], []).append(i)
+  return nodes
+
+
+def _named(prefix: tuple[str, ...], segs: Sequence[tuple[str, ...]], members: list[int]
+           ) -> bool:
+  """Whether `prefix` ends in a scan module name not followed by a numbered module."""
+  if not SCAN_SEGMENT.match(prefix[-1]):
+    return False
+  return not any(segs[i][len(prefix)].isdigit() for i in members)
+
+
+def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
+            shapes: Sequence[Optional[tuple[int, ...]]],
+            tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]) -> Structure:
+  """Finds the stacks and banks of a tree of leaves (flattening order).
+
+  Args:
+    paths: each leaf's '/'-joined path (for the findings).
+    segs: each leaf's lowercase normalised path segments.
+    shapes: each leaf's shape, or None for a leaf that is not an array.
+    tiers: each leaf's tier where already known (names, rules, given labels), else None.
+    decided_by_name: whether a name (a rule) decided the leaf's tier; such a leaf is
+      never a router candidate unless its tier is `router`, and a subtree of them
+      that names a dense tier is not a bank.
+
+  Returns:
+    The `Structure`: scan axes per leaf, the groups found, the unsure findings.
+  """
+  scan: list[set[int]] = [set() for _ in shapes]
+  groups: list[Group] = []
+  ambiguous: list[str] = []
+  confusions: list[tuple[str, list[int]]] = []
+  nodes = _nodes(segs)
+  seen: set[tuple[int, ...]] = set()
+  arrays = [i for i, s in enumerate(shapes) if s is not None]
+  for prefix in sorted(nodes, key=len):  # outer modules first
+    members = [i for i in nodes[prefix] if shapes[i] is not None]
+    key = tuple(members)
+    if len(members) < 2 or key in seen:
+      continue
+    named = _named(prefix, segs, members)
+    known = set.intersection(*(scan[i] for i in members))
+    free = [[p for p in range(len(shapes[i])) if p not in known] for i in members]
+    if named:
+      ndim = min(len(shapes[i]) for i in members)
+      common = [p for p in range(ndim) if p not in known
+                and len({shapes[i][p] for i in members}) == 1]
+      if len(common) == 1:
+        seen.add(key)
+        _stack(groups, scan, prefix, members, common[0], shapes, named=True)
+      elif len(common) > 1:
+        seen.add(key)
+        where = '/'.join(prefix)
+        ambiguous.append(
+            f'{where}: axes {common} have the same length in all {len(members)} leaves, '
+            'so which one stacks the layers is unclear; pass batch_axes rules, e.g. '
+            f"sj.moe_batch_axes(params, rules=[('{where}/**', ({common[0]},))])")
+      continue
+    if any(len(f) < 2 for f in free) or max(len(f) for f in free) < 3:
+      continue
+    # Not the last axis of any leaf: a stacked or banked leaf keeps its own axes last.
+    ndim = min(len(shapes[i]) for i in members) - 1
+    common = [p for p in range(ndim) if p not in known and shapes[members[0]][p] > 1
+              and len({shapes[i][p] for i in members}) == 1]
+    if not common:
+      continue
+    inside = set(members)
+    outside = [i for i in arrays if i not in inside]
+    if all(tiers[i] == 'experts' for i in members):
+      seen.add(key)  # a bank by its names: its expert axis is the experts tier's
+      continue
+    dense_by_name = all(decided_by_name[i] and tiers[i] not in (None, 'experts')
+                        for i in members)
+    # A stack of layers holds several modules (norms, attention, MLP); the leaves of one
+    # module sharing a length (w [4, d, f], b [4, f]) may as well be a bank whose router
+    # is not in sight, so they are no stack by shapes (and stay reported).
+    modules = len({segs[i][:-1] for i in members})
+    readings = []
+    for p in common:
+      n = shapes[members[0]][p]
+      dims = {shapes[i][q] for i, f in zip(members, free) for q in f if q != p}
+      routers = [] if dense_by_name else _router_candidates(
+          prefix[:-1], n, dims, outside, segs, shapes, scan, tiers, decided_by_name)
+      if routers:
+        readings.append((p, 'bank', routers))
+      elif not any(n in _core(shapes[i], scan[i]) for i in outside):
+        # A length nothing else has: a stack's; in one module, perhaps a bank's too.
+        readings.append((p, 'stack' if modules >= 2 else 'lone', []))
+    if all(kind == 'lone' for _, kind, _ in readings):
+      continue  # no router, one module: the defaults and their reports hold
+    if len(readings) == 1:
+      seen.add(key)
+      p, kind, routers = readings[0]
+      if kind == 'stack':
+        _stack(groups, scan, prefix, members, p, shapes, named=False)
+      else:
+        groups.append(Group(prefix, members, p, shapes[members[0]][p], 'bank', False,
+                            routers))
+    elif len(readings) > 1:
+      seen.add(key)
+      where = '/'.join(prefix)
+      said = ', '.join(f'axis {p} ({shapes[members[0]][p]}): '
+                       + ('an expert axis beside router ' + paths[r[0]] if kind == 'bank'
+                          else 'a layer axis or an expert axis' if kind == 'lone'
+                          else 'a layer axis')
+                       for p, kind, r in readings)
+      confusions.append((
+          f"{where}/** ({', '.join(paths[i] for i in members[:3])}"
+          f"{', ...' if len(members) > 3 else ''}): every leaf shares more than one axis "
+          f'length, so a stack of layers and a bank of experts could be confused ({said}); '
+          "say which: batch_axes=lambda p: sj.moe_batch_axes(p, rules=[('"
+          f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
+          f"param_labels=sj.make_labeler([('{where}', 'experts')])", members))
+  _sibling_banks(groups, segs, shapes, scan, tiers, decided_by_name)
+  return Structure(scan, groups, ambiguous, confusions)
+
+
+def _sibling_banks(groups: list[Group], segs: Sequence[tuple[str, ...]],
+                   shapes: Sequence[Optional[tuple[int, ...]]], scan: list[set[int]],
+                   tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]) -> None:
+  """Banks written as sibling leaves of one module beside their router, e.g.
+  `ffn/{sel [d, E], w_in [E, d, f], w_out [E, f, d]}`: the leaves (>= 3 unscanned
+  axes, or a bias beside them) whose first unscanned axis has a length E that a
+  router candidate in the same module (or in a child module of its own) maps to."""
+  grouped = {i for g in groups if g.kind == 'bank' for i in g.members}
+  modules: dict[tuple[str, ...], list[int]] = {}
+  for i, s in enumerate(segs):
+    if shapes[i] is not None and i not in grouped:
+      modules.setdefault(s[:-1], []).append(i)
+  arrays = [i for i, x in enumerate(shapes) if x is not None]
+  for module, children in modules.items():
+    by_length: dict[int, list[int]] = {}
+    for i in children:
+      free = core_axes(shapes[i], scan[i])
+      if len(free) >= 2 and not (decided_by_name[i] and tiers[i] != 'experts'):
+        by_length.setdefault(shapes[i][free[0]], []).append(i)
+    for n, members in by_length.items():
+      if n < 2 or all(len(core_axes(shapes[i], scan[i])) < 3 for i in members):
+        continue
+      if all(tiers[i] == 'experts' for i in members):
+        continue  # a bank by its names: the name-based structure reads it
+      dims = {shapes[i][q] for i in members for q in core_axes(shapes[i], scan[i])[1:]}
+      inside = set(members)
+      outside = [i for i in arrays if i not in inside]
+      near = [i for i in outside if len(segs[i]) <= len(module) + 2]  # `sel/kernel` too
+      routers = _router_candidates(module, n, dims, near, segs, shapes, scan, tiers,
+                                   decided_by_name)
+      if routers:
+        axis = core_axes(shapes[members[0]], scan[members[0]])[0]
+        groups.append(Group(module, members, axis, n, 'bank', False, routers))
+
+
+def _core(shape: tuple[int, ...], scan: set[int]) -> tuple[int, ...]:
+  return core_shape(shape, scan)
+
+
+def _stack(groups: list[Group], scan: list[set[int]], prefix: tuple[str, ...],
+           members: list[int], axis: int, shapes: Sequence[Optional[tuple[int, ...]]],
+           named: bool) -> None:
+  for i in members:
+    scan[i].add(axis)
+  groups.append(Group(prefix, members, axis, shapes[members[0]][axis], 'stack', named))
+
+
+def _router_candidates(area: tuple[str, ...], n: int, dims: set[int], outside: list[int],
+                       segs: Sequence[tuple[str, ...]],
+                       shapes: Sequence[Optional[tuple[int, ...]]], scan: list[set[int]],
+                       tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]
+                       ) -> list[int]:
+  """Kernels under the module `area` that map an axis of a bank's leaves (`dims`) to
+  `n` outputs: [d, n] (or [n, d] for a PyTorch `weight`)."""
+  out = []
+  for i in outside:
+    if segs[i][:len(area)] != area or any(s in segs[i][-1] for s in NOT_KERNEL):
+      continue
+    if decided_by_name[i] and tiers[i] != 'router':
+      continue
+    if tiers[i] not in (None, 'router'):
+      continue
+    core = _core(shapes[i], scan[i])
+    if router_count(core, segs[i][-1] == 'weight', dims) == n:
+      out.append(i)
+  return out

@@ -72,9 +72,10 @@ def command(target: str, args: argparse.Namespace, ckpt: Path, data: Path, out: 
             str(args.every), '--ckpt-fingerprints', '--data-dir', str(data),
             '--seed', str(args.seed)]
   if target == 'moe_lm':
-    return [sys.executable, 'examples/moe_lm/train.py', '--preset', 'tiny', '--batch-size',
-            '4', '--eval-every', str(args.steps), '--eval-batches', '1', '--out', str(out),
-            *common]
+    # One optimizer: train.py's default trains two, each in its own checkpoint directory.
+    return [sys.executable, 'examples/moe_lm/train.py', '--preset', 'tiny', '--optimizer',
+            'skewadam', '--batch-size', '4', '--eval-every', str(args.steps),
+            '--eval-batches', '1', '--out', str(out), *common]
   return [sys.executable, 'examples/sharded_moe.py', '--preset', 'tiny', '--batch-size', '8',
           *common]
 
@@ -272,8 +273,9 @@ def run_target(target: str, args: argparse.Namespace, work: Path, env: dict[str,
         'final_fingerprint': final, 'bitwise_equal': final == ref.fingerprints[args.steps],
         'seconds': round(sum(la.seconds for la in launches), 1)})
   bar.close()
-  return {'target': target, 'command': command(target, args, Path('CKPT'), Path('DATA'),
-                                                Path('OUT')),
+  return {'target': target,
+          'command': ['python', *command(target, args, Path('CKPT'), Path('DATA'),
+                                         Path('OUT'))[1:]],
           'reference_fingerprints': ref.fingerprints, 'reference_s': round(ref.seconds, 1),
           'kills': kills, 'episodes': episodes, 'summary': summarize(kills, episodes)}
 
@@ -484,7 +486,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         f'({multihost["arrays_compared"]} arrays) bitwise equal to an uninterrupted run: '
         f'{"yes" if multihost["bitwise_equal"] else "NO"}.')
   (out / f'{stem}.json').write_text(json.dumps(
-      {'args': vars(args), 'commit': commit, 'results': results, 'multihost': multihost},
+      {'args': {k: v for k, v in vars(args).items() if k != 'work'},  # no machine paths
+       'commit': commit, 'results': results, 'multihost': multihost},
       indent=1, default=str))
   (out / f'{stem}.md').write_text('# Crash and resume\n\n' + md + '\n')
   print(md)

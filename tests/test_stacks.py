@@ -203,3 +203,12 @@ def test_skewadam_trains_the_nameless_scanned_moe():
   assert jax.tree_util.tree_leaves(experts.mu) == []  # no momentum in the experts tier
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree_util.tree_leaves(updates))
   assert len(expected) == len(jax.tree_util.tree_leaves(params))
+
+
+@pytest.mark.parametrize('layout', ['scanned', 'siblings'])
+def test_a_repeat_length_equal_to_the_expert_count_is_no_confusion(layout):
+  """R == E == 4: the norms [R, d] show which axis stacks the layers."""
+  tree, expected = LAYOUTS[layout](4, 4)
+  rows, text = _report(tree)
+  assert {p: (rows[p].tier, rows[p].batch_axes) for p in expected} == expected
+  assert text == ''

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -30,8 +31,9 @@ pytestmark = pytest.mark.slow
 def tiny_run(tmp_path_factory):
   out = tmp_path_factory.mktemp('run')
   result = train_lib.main([
-      '--preset', 'tiny', '--steps', '30', '--batch-size', '8', '--lr', '3e-3',
-      '--warmup', '3', '--eval-every', '15', '--eval-batches', '2', '--out', str(out)])
+      '--optimizer', 'skewadam', '--preset', 'tiny', '--steps', '30', '--batch-size', '8',
+      '--lr', '3e-3', '--warmup', '3', '--eval-every', '15', '--eval-batches', '2',
+      '--out', str(out)])
   return result, out
 
 
@@ -204,8 +206,8 @@ def test_muon_orthogonalises_matrices_and_experts_only():
 
 
 def test_zero_steps_evaluates_the_initial_model(tmp_path, capsys):
-  result = train_lib.main(['--preset', 'tiny', '--steps', '0', '--batch-size', '4',
-                           '--eval-batches', '1', '--out', str(tmp_path)])
+  result = train_lib.main(['--optimizer', 'skewadam', '--preset', 'tiny', '--steps', '0',
+                           '--batch-size', '4', '--eval-batches', '1', '--out', str(tmp_path)])
   assert result['history']['ce'] == []
   assert [e['step'] for e in result['evals']] == [0]
   # The untrained model is near uniform over 256 bytes.
@@ -252,3 +254,93 @@ def test_plot_shows_the_whole_train_curve_and_says_val_has_no_router_noise(
   assert x[0] == 1 and y[0] == pytest.approx(ce[0], rel=1e-6)  # the first step is drawn
   texts = [t.get_text() for t in ax.get_legend().get_texts()] + [ax.get_title()]
   assert any('no router noise' in t for t in texts)
+
+
+# ----------------------------------------------------------------- several optimizers
+
+
+def test_default_trains_the_recommended_policy_and_the_baseline_at_their_lrs():
+  configs = train_lib.parse_args([])
+  assert [c.optimizer for c in configs] == [opt_lib.RECOMMENDED, opt_lib.BASELINE]
+  assert opt_lib.RECOMMENDED in opt_lib.OPTIMIZERS and opt_lib.BASELINE == 'adamw'
+  assert all(c.lr is None for c in configs)  # each at its DEFAULT_LR
+  # The runs differ in their optimizer only.
+  assert dataclasses.replace(configs[1], optimizer=configs[0].optimizer) == configs[0]
+  assert train_lib.TrainConfig().optimizer == opt_lib.RECOMMENDED
+
+
+def test_one_optimizer_and_the_optimizer_list_parse():
+  (one,) = train_lib.parse_args(['--optimizer', 'adamw', '--lr', '1e-3'])
+  assert (one.optimizer, one.lr) == ('adamw', 1e-3)
+  names = ['skewadam', 'skewadam-muon', 'adamw']
+  assert [c.optimizer for c in train_lib.parse_args(['--optimizers', *names])] == names
+  for bad in (['--optimizer', 'adamw', '--optimizers', 'adamw', 'skewadam'],
+              ['--optimizers', 'adamw', 'adamw'], ['--optimizers', 'nope'],
+              ['--optimizers']):
+    with pytest.raises(SystemExit):
+      train_lib.parse_args(bad)
+
+
+def test_several_optimizers_checkpoint_to_one_subdirectory_each(tmp_path):
+  configs = train_lib.parse_args(['--ckpt-dir', str(tmp_path)])
+  assert [c.ckpt_dir for c in configs] == [str(tmp_path / c.optimizer) for c in configs]
+  (one,) = train_lib.parse_args(['--optimizer', 'skewadam', '--ckpt-dir', str(tmp_path)])
+  assert one.ckpt_dir == str(tmp_path)  # one optimizer: the directory itself, as before
+
+
+@pytest.fixture(scope='module')
+def pair_run(tmp_path_factory):
+  """The default pair on `tiny`, 4 steps, checkpointed; stdout kept."""
+  out, ckpt = tmp_path_factory.mktemp('pair'), tmp_path_factory.mktemp('pair_ckpt')
+  argv = ['--preset', 'tiny', '--steps', '4', '--batch-size', '4', '--warmup', '1',
+          '--eval-every', '2', '--eval-batches', '1', '--out', str(out), '--ckpt-dir',
+          str(ckpt), '--ckpt-every', '2', '--sync-ckpt']
+  return argv, out, ckpt
+
+
+def test_two_optimizers_from_one_init_end_with_one_table_and_one_plot(pair_run, capsys):
+  argv, out, ckpt = pair_run
+  results = train_lib.main(argv)
+  names = [opt_lib.RECOMMENDED, opt_lib.BASELINE]
+  assert list(results) == names
+  runs = [results[n] for n in names]
+  # The same initial weights and first batch: the same loss before any update.
+  assert runs[0]['history']['ce'][0] == pytest.approx(runs[1]['history']['ce'][0], rel=1e-6)
+  assert [r['optimizer']['lr'] for r in runs] == [opt_lib.DEFAULT_LR[n] for n in names]
+  printed = capsys.readouterr().out.rstrip().splitlines()
+  # The output ends with the table (then one line under it).
+  rows = [line for line in printed[-len(names) - 2:] if line.startswith('| ')]
+  assert [row.split(' | ')[0] for row in rows] == [f'| {n}' for n in names]
+  header = printed[-len(names) - 4]
+  for column in ('final val loss', 'vs adamw', 'state B, backbone', 'state B, experts',
+                 'state B, router', 'state B, total', 'dead experts', 'tokens/s'):
+    assert column in header, column
+  for row, r in zip(rows, runs):
+    cells = row.strip('| ').split(' | ')
+    assert cells[2] == f'{r["final"]["loss"]:.4f}'
+    tiers = train_lib.tier_bytes(r)
+    assert cells[4:7] == [f'{tiers[t]:,}' for t in ('backbone', 'experts', 'router')]
+    assert cells[7].startswith(f'{r["memory"]["total_state_bytes"]:,} (')
+    assert cells[8] == f'{r["router"]["dead_experts"][0]} of {r["router"]["n_experts"]}'
+  assert rows[1].split(' | ')[3] == '+0.00%'  # AdamW against itself
+  stem = f'{names[0]}-vs-{names[1]}'
+  assert (out / f'{stem}.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  md = (out / f'{stem}.md').read_text()
+  assert train_lib.comparison_table(runs) in md and '### Router health' in md
+  assert sorted(p.name for p in out.glob('*.png')) == [f'{stem}.png']  # one plot
+  for n in names:
+    assert json.loads((out / f'{n}.json').read_text())['final'] == pytest.approx(
+        results[n]['final'])
+  assert sorted(p.name for p in ckpt.iterdir()) == sorted(names)
+  # The same command again resumes both runs at their last checkpoint: nothing retrains.
+  again = train_lib.main(argv)
+  for n in names:
+    assert again[n]['history'] == results[n]['history']
+    assert again[n]['final'] == results[n]['final']
+
+
+def test_comparison_table_without_the_baseline_has_no_gap_column(tiny_run):
+  result, _ = tiny_run
+  table = train_lib.comparison_table([result])
+  assert 'vs adamw' not in table and '(100.0%)' not in table
+  assert f'| skewadam | {result["optimizer"]["lr"]:g} | {result["final"]["loss"]:.4f} |' in table

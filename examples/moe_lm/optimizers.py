@@ -38,6 +38,8 @@ warmup + cosine learning-rate schedule. Names:
   matrices of attention, dense MLPs and experts (per expert); Adam on embeddings,
   norms and the router).
 
+`RECOMMENDED` is the policy `train.py` trains by default, beside `BASELINE` (AdamW).
+
 Default learning rates (`DEFAULT_LR`): the published 3e-4 for the Adam family
 (SkewAdam and its ablations, AdamW, AdamPM, both Adafactors); Lion conventionally 3-10x
 smaller (1e-4, with weight decay 3x larger so that lr * wd matches); Muon its
@@ -56,6 +58,10 @@ from optax import contrib
 import skewadam_jax as sj
 
 ADAM_LR = 3e-4
+# The policy `train.py` trains by default, beside `BASELINE`, each at its `DEFAULT_LR`.
+# This is the one place that names it: the README's first command and its table follow.
+RECOMMENDED = 'skewadam-muon'
+BASELINE = 'adamw'
 OPTIMIZERS = (
     'skewadam', 'adampm', 'adampm-input-axis', 'adamw', 'adafactor', 'adafactor-momentum',
     'lion', 'muon',

@@ -1,17 +1,23 @@
 """Train the example MoE language model on bytes of local text, with any optimizer.
 
 One command trains the `small` preset (1.8M parameters, 86% in experts) on the CPython
-standard library's sources with SkewAdam and reports what matters for the paper's claim:
+standard library's sources with the recommended SkewAdam policy and with AdamW, from the
+same initial weights on the same batches, each at its own default learning rate
+(`optimizers.RECOMMENDED`, `optimizers.BASELINE`, `optimizers.DEFAULT_LR`), and ends
+with one table and one plot comparing them:
 
-  python examples/moe_lm/train.py                       # SkewAdam, ~2-3 min on 2 CPU cores
-  python examples/moe_lm/train.py --optimizer adamw     # the baseline
+  python examples/moe_lm/train.py                       # recommended vs AdamW, ~3 min
+  python examples/moe_lm/train.py --optimizer skewadam  # one optimizer alone
+  python examples/moe_lm/train.py --optimizers skewadam skewadam-muon adamw
   python examples/moe_lm/train.py --bf16                # bf16 weights, stochastic rounding
   python examples/moe_lm/train.py --data-dir ~/notes --suffixes .md .txt
 
-Flow: config -> data -> model -> optimizer -> jitted step -> loop -> report.
+Flow: config -> data -> model -> optimizer -> jitted step -> loop -> report, once per
+optimizer, then the comparison.
 
 * Schedule: linear warmup then cosine to 0 (`optax.warmup_cosine_decay_schedule`);
-  global gradient-norm clip 1.0; optimizer by `--optimizer` (see `optimizers.py`).
+  global gradient-norm clip 1.0; optimizers by `--optimizers` or `--optimizer` (see
+  `optimizers.py`), each at `--lr` if given, else at its default learning rate.
 * The step is a pure function of `(params, opt_state, batch, key)` built with
   `nnx.split` / `nnx.merge` and `jax.jit(donate_argnums=(0, 1))`, so parameters and
   optimizer state are updated in place. With `--bf16` the weights (not norms and router)
@@ -29,10 +35,15 @@ Flow: config -> data -> model -> optimizer -> jitted step -> loop -> report.
   and the same command rerun after a crash resumes from the newest intact checkpoint
   (`examples/checkpointing.py`'s `TrainCheckpointer`): batches, router noise and
   rounding keys are functions of `(seed, step)`, so it ends bitwise where an
-  uninterrupted run ends.
-* At the end: a markdown table of optimizer state bytes per tier, a loss-curve PNG, a
-  PNG of each expert's load over training and a JSON of the run under `--out` (default
-  `runs/moe_lm/`).
+  uninterrupted run ends. With several optimizers each checkpoints to its own
+  subdirectory, `DIR/<optimizer>`; one finished before a crash resumes at its end.
+* At the end, with several optimizers: one table (per optimizer: final validation loss,
+  optimizer state bytes per tier and in total, dead experts, tokens/s), one PNG with
+  every loss curve, a markdown file with the table and each run's full report (router
+  health over training), and a JSON per run, under `--out` (default `runs/moe_lm/`,
+  named `<a>-vs-<b>`). With one optimizer: its markdown report (state bytes per tier,
+  router health), a loss-curve PNG, a PNG of each expert's load over training and a
+  JSON of the run.
 """
 
 from __future__ import annotations
@@ -72,15 +83,16 @@ LN2 = math.log(2.0)
 
 @dataclasses.dataclass
 class TrainConfig:
-  """Everything a run depends on (the command-line flags)."""
-  optimizer: str = 'skewadam'
+  """Everything one optimizer's run depends on (the command-line flags)."""
+  optimizer: str = opt_lib.RECOMMENDED
   preset: str = 'small'
-  steps: int = 600
+  # Two optimizers by default: 400 steps each keep the first command at a few minutes.
+  steps: int = 400
   batch_size: int = 16
   seq_len: Optional[int] = None  # None: the preset's max_len
   lr: Optional[float] = None  # None: optimizers.DEFAULT_LR[optimizer]
   muon_adam_lr: Optional[float] = None  # Muon's Adam branch; None: optimizers.ADAM_LR
-  warmup: int = 60
+  warmup: int = 40
   weight_decay: float = 0.1
   clip_norm: float = 1.0
   eval_every: int = 100
@@ -664,12 +676,106 @@ def report(result: dict[str, Any]) -> str:
   return '\n'.join(lines)
 
 
+def tier_bytes(result: dict[str, Any]) -> dict[str, int]:
+  """`{tier: optimizer state bytes}` of a run record, in `memory_report`'s order."""
+  return {t['tier']: t['state_bytes'] for t in result['memory']['tiers']}
+
+
+def comparison_table(results: list[dict[str, Any]]) -> str:
+  """Markdown, one row per run: final validation loss, state bytes per tier, health, speed.
+
+  Columns: optimizer, peak lr, final validation loss (no router noise) and its gap to
+  `optimizers.BASELINE` when that ran, optimizer state bytes per tier (the union of the
+  runs' tiers; `-` where a run has no such tier) and in total (with its share of the
+  baseline's), dead experts per MoE layer, and training tokens/s.
+  """
+  tiers: list[str] = []
+  for r in results:
+    tiers += [t for t in tier_bytes(r) if t not in tiers]
+  base = next((r for r in results if r['optimizer']['optimizer'] == opt_lib.BASELINE), None)
+  header = ['optimizer', 'lr', 'final val loss']
+  if base is not None:
+    header.append(f'vs {opt_lib.BASELINE}')
+  header += [f'state B, {t}' for t in tiers] + ['state B, total', 'dead experts', 'tokens/s']
+  lines = ['| ' + ' | '.join(header) + ' |', '|---|' + '---:|' * (len(header) - 1)]
+  for r in results:
+    loss, total, by_tier = r['final']['loss'], r['memory']['total_state_bytes'], tier_bytes(r)
+    rt = r['router']
+    row = [r['optimizer']['optimizer'], f'{r["optimizer"]["lr"]:g}', f'{loss:.4f}']
+    if base is not None:
+      row.append(f'{100 * (loss / base["final"]["loss"] - 1):+.2f}%')
+    row += [f'{by_tier[t]:,}' if t in by_tier else '-' for t in tiers]
+    share = ('' if base is None or not base['memory']['total_state_bytes'] else
+             f' ({100 * total / base["memory"]["total_state_bytes"]:.1f}%)')
+    row += [f'{total:,}{share}',
+            (f'{_layers(rt["dead_experts"], "d")} of {rt["n_experts"]}'
+             if 'dead_experts' in rt else 'n/a'),
+            _num(r['timing']['tokens_per_s'], ',.0f')]
+    lines.append('| ' + ' | '.join(row) + ' |')
+  return '\n'.join(lines)
+
+
+def comparison_report(results: list[dict[str, Any]]) -> str:
+  """The closing markdown of a run of several optimizers: a heading and one table."""
+  r0 = results[0]
+  names = ', '.join(r['optimizer']['optimizer'] for r in results)
+  cores = r0['machine']['cpu_count']
+  wall = sum(r['timing']['wall_s'] for r in results)
+  return '\n'.join([
+      f'## {names} on `{r0["config"]["preset"]}` ({r0["params"]:,} parameters; '
+      f'{r0["config"]["steps"]} steps x {r0["timing"]["tokens_per_step"]:,} tokens each, '
+      'the same initial weights and batches)', '',
+      comparison_table(results), '',
+      f'Validation without router noise, {r0["config"]["eval_batches"]} batches; dead '
+      f'experts: below {model_lib.DEAD_BELOW:g} x the uniform share, per MoE layer; float32 '
+      f'optimizer state (`skewadam_jax.memory_report`). Training wall {wall:.0f} s on '
+      f'{cores} CPU cores.'])
+
+
+def comparison_stem(results: list[dict[str, Any]]) -> str:
+  """`<a>-vs-<b>[-bf16]`: the file stem of a comparison's outputs."""
+  stem = '-vs-'.join(r['optimizer']['optimizer'] for r in results)
+  return stem + ('-bf16' if results[0]['config']['bf16'] else '')
+
+
+def write_comparison(results: list[dict[str, Any]], out: str | os.PathLike[str]
+                     ) -> dict[str, Path]:
+  """Writes a JSON per run, then one loss PNG and one markdown file of the comparison.
+
+  The markdown has `comparison_report`'s table, then each run's `report` (state per
+  tier, router health over training and each expert's final load).
+  """
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  paths = {}
+  for r in results:
+    name = r['optimizer']['optimizer'] + ('-bf16' if r['config']['bf16'] else '')
+    paths[f'json:{name}'] = out / f'{name}.json'
+    paths[f'json:{name}'].write_text(json.dumps(r, indent=1, default=str))
+  stem = comparison_stem(results)
+  paths['png'], paths['md'] = out / f'{stem}.png', out / f'{stem}.md'
+  labelled = [dict(r, label=f'{r["optimizer"]["optimizer"]} (lr {r["optimizer"]["lr"]:g})')
+              for r in results]
+  plot_losses(labelled, paths['png'],
+              title=f'{" vs ".join(r["label"] for r in labelled)} on '
+                    f'{results[0]["config"]["preset"]}: same init, same batches')
+  paths['md'].write_text('\n\n'.join([comparison_report(results), *map(report, results)])
+                         + '\n')
+  return paths
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The command line (flags are `TrainConfig`'s fields; underscores accepted too)."""
   d = TrainConfig()
   p = _cli.parser(__doc__.splitlines()[0])
-  _cli.option(p, '--optimizer', default=d.optimizer, choices=opt_lib.OPTIMIZERS,
-              help='optimizer (see optimizers.py)')
+  which = p.add_mutually_exclusive_group()
+  _cli.option(which, '--optimizers', nargs='+', choices=opt_lib.OPTIMIZERS,
+              default=[opt_lib.RECOMMENDED, opt_lib.BASELINE],
+              help='optimizers to train one after the other from the same initial weights '
+                   'on the same batches, then compare in one table and one plot (see '
+                   'optimizers.py; the default: its RECOMMENDED policy and its BASELINE)')
+  _cli.option(which, '--optimizer', choices=opt_lib.OPTIMIZERS,
+              help='train this one optimizer alone (the same as --optimizers NAME)')
   _cli.option(p, '--preset', default=d.preset, choices=sorted(model_lib.PRESETS),
               help='model size')
   _cli.option(p, '--steps', type=int, default=d.steps,
@@ -678,7 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
   _cli.option(p, '--seq-len', type=int, default=d.seq_len,
               help="tokens per sequence; unset: the preset's max_len")
   _cli.option(p, '--lr', type=float, default=d.lr,
-              help='peak learning rate; unset: per optimizer, see optimizers.py')
+              help='peak learning rate of every optimizer trained; unset: each its own '
+                   '(DEFAULT_LR in optimizers.py)')
   _cli.option(p, '--muon-adam-lr', type=float, default=d.muon_adam_lr,
               help="peak lr of Muon's Adam branch (embeddings, norms, router); unset: "
                    f'{opt_lib.ADAM_LR:g}')
@@ -700,7 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
   _cli.option(p, '--ckpt-dir', default=d.ckpt_dir,
               help='checkpoint directory: save there, and resume from its newest intact '
                    'step when rerun with the same command (a damaged newest step is '
-                   'skipped and moved to DIR/damaged/); unset: no checkpoints')
+                   'skipped and moved to DIR/damaged/); with several optimizers, one '
+                   'subdirectory DIR/<optimizer> each; unset: no checkpoints')
   _cli.option(p, '--ckpt-every', type=int, default=d.ckpt_every,
               help='save every this many steps (and after the last) with --ckpt-dir')
   _cli.option(p, '--ckpt-keep', type=int, default=d.ckpt_keep,
@@ -714,8 +822,17 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
-  """`TrainConfig` from the command line (`sys.argv[1:]` when `argv` is None)."""
+def parse_args(argv: Optional[list[str]] = None) -> list[TrainConfig]:
+  """One `TrainConfig` per optimizer to train, from the command line.
+
+  Args:
+    argv: the flags; None means `sys.argv[1:]`.
+
+  Returns:
+    The configurations, in the order of `--optimizers` (`--optimizer NAME`: one). They
+    differ in `optimizer` only, and in `ckpt_dir` with several optimizers and a
+    `--ckpt-dir DIR`: each then checkpoints to `DIR/<optimizer>`.
+  """
   p = build_parser()
   a = p.parse_args(argv)
   for flag, value in (('--steps', a.steps), ('--warmup', a.warmup)):
@@ -726,28 +843,53 @@ def parse_args(argv: Optional[list[str]] = None) -> TrainConfig:
                       ('--ckpt-keep', a.ckpt_keep)):
     if value < 1:
       p.error(f'{flag} must be >= 1, not {value}')
-  return TrainConfig(
-      optimizer=a.optimizer, preset=a.preset, steps=a.steps, batch_size=a.batch_size,
+  names = [a.optimizer] if a.optimizer is not None else list(a.optimizers)
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    p.error(f'--optimizers names {", ".join(repeated)} more than once')
+  base = TrainConfig(
+      optimizer=names[0], preset=a.preset, steps=a.steps, batch_size=a.batch_size,
       seq_len=a.seq_len, lr=a.lr, muon_adam_lr=a.muon_adam_lr, warmup=a.warmup,
       weight_decay=a.weight_decay, eval_every=a.eval_every, eval_batches=a.eval_batches,
       seed=a.seed, bf16=a.bf16, data_dir=a.data_dir, suffixes=tuple(a.suffixes), out=a.out,
       ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, ckpt_keep=a.ckpt_keep,
       sync_ckpt=a.sync_ckpt, ckpt_fingerprints=a.ckpt_fingerprints)
+  if len(names) == 1:
+    return [base]
+  # Several runs in one directory would restore each other's state: one each.
+  return [dataclasses.replace(
+      base, optimizer=n, ckpt_dir=None if a.ckpt_dir is None else str(Path(a.ckpt_dir) / n))
+          for n in names]
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  """Trains from the command line, writes the outputs and returns the run record."""
-  tc = parse_args(argv)
+  """Trains from the command line, writes the outputs and returns what was trained.
+
+  Returns:
+    With one optimizer, its run record (see `train`); with several, `{optimizer: run
+    record}` in the order they were trained.
+  """
+  configs = parse_args(argv)
+  tc = configs[0]
   cfg = model_config(tc)
   data = load_data(tc, cfg)
   print(data.summary())
   print(f'{tc.preset}: {model_lib.param_counts(model_lib.abstract_params(cfg))}')
-  result = train(tc, data)
-  paths = write_outputs(result, tc.out)
-  print()
-  print(report(result))
-  print(f'\nwrote {", ".join(str(p) for p in paths.values())}')
-  return result
+  if len(configs) == 1:
+    result = train(tc, data)
+    paths = write_outputs(result, tc.out)
+    print()
+    print(report(result))
+    print(f'\nwrote {", ".join(str(p) for p in paths.values())}')
+    return result
+  lrs = [opt_lib.DEFAULT_LR[c.optimizer] if c.lr is None else c.lr for c in configs]
+  print(f'training {", ".join(f"{c.optimizer} (lr {lr:g})" for c, lr in zip(configs, lrs))}'
+        f', {tc.steps} steps each, from the same initial weights on the same batches')
+  results = [train(c, data) for c in configs]
+  paths = write_comparison(results, tc.out)
+  print(f'\nwrote {", ".join(str(p) for p in paths.values())}\n')
+  print(comparison_report(results))
+  return {r['optimizer']['optimizer']: r for r in results}
 
 
 if __name__ == '__main__':

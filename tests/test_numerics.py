@@ -218,30 +218,38 @@ ALL_TIERS = [
 ZERO_SHAPES = [(), (5,), (3, 4, 7)]
 
 
+def _shapes(tier) -> list[tuple[int, ...]]:
+  """ZERO_SHAPES that `tier` accepts: an orthogonal update needs a matrix per slice."""
+  if tier is not None and tier.second_moment == 'orthogonal':
+    return [s for s in ZERO_SHAPES if len(s) >= 2]
+  return ZERO_SHAPES
+
+
 def _zero_updates(grad_fn, steps=1):
-  """Runs every tier of ALL_TIERS and AdamPM on every shape of ZERO_SHAPES for `steps`
-  steps of `grad_fn(shape)` gradients, in one compiled function."""
-  txs = [sj.scale_by_tiered_adam(tier=t) for t in ALL_TIERS]
-  txs.append(sj.scale_by_grouped_second_moment(group_size=4))
+  """Runs every tier of ALL_TIERS and AdamPM on every shape of ZERO_SHAPES it accepts
+  for `steps` steps of `grad_fn(shape)` gradients, in one compiled function; returns
+  (updates, state, shapes) per transform."""
+  txs = [(sj.scale_by_tiered_adam(tier=t), _shapes(t)) for t in ALL_TIERS]
+  txs.append((sj.scale_by_grouped_second_moment(group_size=4), ZERO_SHAPES))
 
   @jax.jit
   def run():
     out = []
-    for tx in txs:
-      params = [jnp.zeros(s) for s in ZERO_SHAPES]
+    for tx, shapes in txs:
+      params = [jnp.zeros(s) for s in shapes]
       state = tx.init(params)
       for _ in range(steps):
-        u, state = tx.update([grad_fn(s) for s in ZERO_SHAPES], state)
+        u, state = tx.update([grad_fn(s) for s in shapes], state)
       out.append((u, state))
     return out
 
-  return run()
+  return [(u, state, shapes) for (u, state), (_, shapes) in zip(run(), txs)]
 
 
 def test_zero_gradients_give_zero_updates_and_no_nan():
   """The factored reconstruction's 0/0 (`r / mean(r)` with r = 0) is guarded; so is every
   other estimator, in both eps modes, with and without clipping and momentum."""
-  for u, state in _zero_updates(jnp.zeros):
+  for u, state, _ in _zero_updates(jnp.zeros):
     jax.tree.map(lambda x: np.testing.assert_array_equal(x, np.zeros_like(x)), u)
     assert _all_finite(state)
 
@@ -258,11 +266,11 @@ def test_zero_rows_and_experts_give_zero_updates_there():
       g = g.at[0].set(0.0)  # and a whole zero expert
     return g
 
-  for index, (u, state) in enumerate(_zero_updates(grad)):
+  for index, (u, state, shapes) in enumerate(_zero_updates(grad)):
     assert _all_finite((u, state))
     momentum = index == len(ALL_TIERS) or ALL_TIERS[index].momentum  # the last is AdamPM
     if not momentum:
-      for x, shape in zip(u, ZERO_SHAPES):
+      for x, shape in zip(u, shapes):
         if len(shape) >= 2:
           np.testing.assert_array_equal(x[..., 0, :], 0.0)
         if len(shape) == 3:

@@ -22,7 +22,7 @@ for p in (ROOT, ROOT / 'benchmarks'):
 SCRIPTS = (
     'examples.moe_lm.train', 'examples.quickstart', 'examples.sharded_moe',
     'examples.pmap_data_parallel', 'examples.checkpointing', 'adampm_fidelity',
-    'gpu_compile', 'memory', 'peak_memory', 'quality', 'step_time',
+    'gpu_compile', 'memory', 'peak_memory', 'quality', 'quickstart_check', 'step_time',
 )
 
 # Example runs: the slow tier (`pytest -m slow`).
@@ -67,6 +67,7 @@ MULTI_WORD = {
     'quality': [('--batch-size', '4'), ('--warmup-frac', '0.2'), ('--eval-every', '7'),
                 ('--eval-batches', '3')],
     'step_time': [('--state-dtype', 'float32'), ('--no-by-tier', None)],
+    'quickstart_check': [('--batch-size', '4'), ('--eval-batches', '3')],
 }
 
 
@@ -176,3 +177,39 @@ def test_checkpointing_script_prints_its_help():
                         capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith('usage:') and '--dir' in proc.stdout
+
+
+# ----------------------------------------------------------------- the Quickstart check
+
+
+def test_quickstart_check_candidates_parse_with_their_own_lr(modules):
+  qc = modules['quickstart_check']
+  assert qc.parse_candidate('adamw', 3e-4) == ('adamw', 3e-4)
+  assert qc.parse_candidate('skewadam@1e-3', 3e-4) == ('skewadam', 1e-3)
+  for bad in ('nope', 'adamw@x', 'adamw@-1', 'adamw@0'):
+    with pytest.raises(ValueError, match='candidate'):
+      qc.parse_candidate(bad, 3e-4)
+  with pytest.raises(SystemExit):
+    qc.main(['--candidates', 'nope'])
+
+
+def test_quickstart_check_compares_candidates_from_one_init(modules, tmp_path, capsys):
+  import json
+  qc = modules['quickstart_check']
+  rows = qc.main(['--preset', 'tiny', '--steps', '4', '--warmup', '1', '--early', '2',
+                  '--batch-size', '4', '--eval-batches', '1', '--candidates', 'skewadam',
+                  'adamw', '--out', str(tmp_path / 'qs')])
+  assert [r['candidate'] for r in rows] == ['skewadam @ 0.0003', 'adamw @ 0.0003']
+  # The same initial weights and first batch: the same loss before any update.
+  assert rows[0]['train_ce_first'] == pytest.approx(rows[1]['train_ce_first'], rel=1e-6)
+  assert rows[1]['vs_baseline_pct'] == 0.0
+  assert rows[0]['vs_baseline_pct'] == pytest.approx(
+      100 * (rows[0]['final_val_loss'] / rows[1]['final_val_loss'] - 1))
+  assert rows[0]['state_bytes'] < rows[1]['state_bytes']
+  md = (tmp_path / 'qs.md').read_text()
+  assert md.strip() in capsys.readouterr().out
+  assert f'| {rows[0]["final_val_loss"]:.4f} |' in md
+  saved = json.loads((tmp_path / 'qs.json').read_text())
+  assert [r['final_val_loss'] for r in saved['rows']] == pytest.approx(
+      [r['final_val_loss'] for r in rows])
+  assert [r['candidate'] for r in saved['runs']] == [r['candidate'] for r in rows]

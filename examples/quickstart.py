@@ -63,7 +63,7 @@ def train(steps: int, batch_size: int, lr: float) -> None:
                    sj.skewadam(schedule, weight_decay=0.1, tiers=sj.ADAM_EPS_TIERS))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   state = nnx.state(model, nnx.Param)
-  print(sj.format_label_table(sj.label_table(state)).splitlines()[-1])
+  print(sj.format_label_table(sj.label_table(state, tiers=sj.ADAM_EPS_TIERS)).splitlines()[-1])
 
   @nnx.jit
   def train_step(model, optimizer, batch, key):

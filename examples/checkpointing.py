@@ -388,6 +388,22 @@ class TrainCheckpointer:
 # ----------------------------------------------------------------------------- demo
 
 
+def add_resume_options(parser: argparse.ArgumentParser, *, every: Optional[int] = None,
+                       keep: int = 3) -> None:
+  """The crash-safe checkpoint flags that the training examples share: how often and
+  how many checkpoints `TrainCheckpointer` keeps, async or not, and fingerprints."""
+  _cli.option(parser, '--ckpt-every', type=int, default=every,
+              help='save every this many steps (and after the last) with --ckpt-dir')
+  _cli.option(parser, '--ckpt-keep', type=int, default=keep,
+              help='checkpoints kept (the older are deleted)')
+  _cli.option(parser, '--sync-ckpt', action='store_true',
+              help='save synchronously; by default Orbax saves asynchronously, training '
+                   'while a background thread writes')
+  _cli.option(parser, '--ckpt-fingerprints', action='store_true',
+              help='print a sha256 of params + state at every save and restore (a host '
+                   'copy of every array; used by tools/crash_resume.py)')
+
+
 def demo(path: str | os.PathLike[str], optimizer: str = 'skewadam', preset: str = 'tiny',
          steps: int = 2, seed: int = 0) -> dict[str, Any]:
   """Trains `steps` updates, saves params + state to `path` and restores them.

@@ -86,16 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
               help='checkpoint directory (one subdirectory per step); a run resumes from '
                    'its newest intact step unless --resume names one')
   _cli.option(parser, '--save-at', type=int, default=None, help='save after this step')
-  _cli.option(parser, '--ckpt-every', type=int, default=None,
-              help='save every this many steps and after the last')
-  _cli.option(parser, '--ckpt-keep', type=int, default=3,
-              help='checkpoints kept (the older are deleted)')
-  _cli.option(parser, '--sync-ckpt', action='store_true',
-              help='save synchronously; by default Orbax saves asynchronously, training '
-                   'while a background thread writes')
-  _cli.option(parser, '--ckpt-fingerprints', action='store_true',
-              help='print a sha256 of params + state at every save and restore (used by '
-                   'tools/crash_resume.py)')
+  checkpointing.add_resume_options(parser, every=None, keep=3)
   _cli.option(parser, '--resume', type=int, default=None,
               help='restore this step from --ckpt-dir, then train to --steps')
   _cli.option(parser, '--seed', type=int, default=0, help='weights, batches and router noise')

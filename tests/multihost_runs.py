@@ -104,6 +104,16 @@ def place(host: Any, mesh: jax.sharding.Mesh, specs: Any) -> Any:
   return jax.tree.map(one, host, specs)
 
 
+def donated_step(tx: optax.GradientTransformation) -> Any:
+  """`jit(step)` donating params and state; the pseudo-gradients are a function of the
+  seed tree and the step number only."""
+  def step(params, state, seed, t):
+    updates, state = tx.update(grads_at(seed, t), state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 def train(name: str, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, bool]:
   """5 donated, jitted steps on `mesh` (None: one device, no mesh); the final params
   and state, and whether all of the first step's params and state were donated."""
@@ -111,11 +121,7 @@ def train(name: str, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, bool]:
   host = init_params()
   specs = param_specs(host)
 
-  def step(params, state, seed, t):
-    updates, state = tx.update(grads_at(seed, t), state, params)
-    return optax.apply_updates(params, updates), state
-
-  jstep = jax.jit(step, donate_argnums=(0, 1))
+  jstep = donated_step(tx)
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     if mesh is None:
       params, seed = jax.device_put((host, host), jax.devices()[0])
@@ -153,11 +159,7 @@ def train_checkpointed(ckpt_dir: str, out_dir: Path) -> None:
   host = init_params()
   specs = param_specs(host)
 
-  def step(params, state, seed, t):
-    updates, state = tx.update(grads_at(seed, t), state, params)
-    return optax.apply_updates(params, updates), state
-
-  jstep = jax.jit(step, donate_argnums=(0, 1))
+  jstep = donated_step(tx)
   mesh = jax.make_mesh(MESH_SHAPE, ('data', 'expert'))
   with jax.set_mesh(mesh):
     params, seed = place(host, mesh, specs), place(host, mesh, specs)

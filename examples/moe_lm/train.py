@@ -809,16 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
                    'step when rerun with the same command (a damaged newest step is '
                    'skipped and moved to DIR/damaged/); with several optimizers, one '
                    'subdirectory DIR/<optimizer> each; unset: no checkpoints')
-  _cli.option(p, '--ckpt-every', type=int, default=d.ckpt_every,
-              help='save every this many steps (and after the last) with --ckpt-dir')
-  _cli.option(p, '--ckpt-keep', type=int, default=d.ckpt_keep,
-              help='checkpoints kept (the older are deleted)')
-  _cli.option(p, '--sync-ckpt', action='store_true',
-              help='save synchronously; by default Orbax saves asynchronously, training '
-                   'while a background thread writes')
-  _cli.option(p, '--ckpt-fingerprints', action='store_true',
-              help='print a sha256 of params + state at every save and restore (a host '
-                   'copy of every array; used by tools/crash_resume.py)')
+  checkpointing.add_resume_options(p, every=d.ckpt_every, keep=d.ckpt_keep)
   return p
 
 

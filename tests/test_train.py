@@ -136,7 +136,7 @@ def tiny_model():
 def test_every_optimizer_takes_a_descent_step(tiny_model, name):
   params, loss_and_grad = tiny_model
   tx, info = opt_lib.make_optimizer(name, total_steps=10, warmup_steps=0)
-  assert info['lr'] == opt_lib.DEFAULT_LR[name]
+  assert info['lr'] == opt_lib.default_lr(name)
   state = tx.init(params)
   loss0, grads = loss_and_grad(params)
   updates, state = tx.update(grads, state, params)
@@ -216,7 +216,7 @@ def test_zero_steps_evaluates_the_initial_model(tmp_path, capsys):
   assert result['timing']['tokens_per_s'] is None
   saved = json.loads((tmp_path / 'skewadam.json').read_text())  # strict JSON: no NaN
   assert saved['final'] == pytest.approx(result['final'])
-  row = f'| skewadam | {opt_lib.DEFAULT_LR["skewadam"]:g} | {result["final"]["loss"]:.4f} |'
+  row = f'| skewadam | {opt_lib.default_lr("skewadam"):g} | {result["final"]["loss"]:.4f} |'
   assert row in capsys.readouterr().out
   assert 'nan' not in train_lib.report(result).lower()
 
@@ -263,7 +263,7 @@ def test_default_trains_the_recommended_policy_and_the_baseline_at_their_lrs():
   configs = train_lib.parse_args([])
   assert [c.optimizer for c in configs] == [opt_lib.RECOMMENDED, opt_lib.BASELINE]
   assert opt_lib.RECOMMENDED in opt_lib.OPTIMIZERS and opt_lib.BASELINE == 'adamw'
-  assert all(c.lr is None for c in configs)  # each at its DEFAULT_LR
+  assert all(c.lr is None for c in configs)  # each at its default_lr
   # The runs differ in their optimizer only.
   assert dataclasses.replace(configs[1], optimizer=configs[0].optimizer) == configs[0]
   assert train_lib.TrainConfig().optimizer == opt_lib.RECOMMENDED
@@ -306,7 +306,7 @@ def test_two_optimizers_from_one_init_end_with_one_table_and_one_plot(pair_run, 
   runs = [results[n] for n in names]
   # The same initial weights and first batch: the same loss before any update.
   assert runs[0]['history']['ce'][0] == pytest.approx(runs[1]['history']['ce'][0], rel=1e-6)
-  assert [r['optimizer']['lr'] for r in runs] == [opt_lib.DEFAULT_LR[n] for n in names]
+  assert [r['optimizer']['lr'] for r in runs] == [opt_lib.default_lr(n) for n in names]
   printed = capsys.readouterr().out.rstrip().splitlines()
   # The output ends with the table (then one line under it).
   rows = [line for line in printed[-len(names) - 2:] if line.startswith('| ')]
@@ -344,3 +344,13 @@ def test_comparison_table_without_the_baseline_has_no_gap_column(tiny_run):
   table = train_lib.comparison_table([result])
   assert 'vs adamw' not in table and '(100.0%)' not in table
   assert f'| skewadam | {result["optimizer"]["lr"]:g} | {result["final"]["loss"]:.4f} |' in table
+
+
+def test_swept_lrs_are_the_sweep_reports_best():
+  """The main job's lrs are the quality sweep's verdict, not a second copy of it."""
+  report = json.loads((Path(__file__).resolve().parents[1] / 'benchmarks' / 'results'
+                       / 'quality_sweep' / 'report_steps2000.json').read_text())
+  best = {row['optimizer']: row['best_lr'] for row in report['rows']}
+  for name, lr in opt_lib.SWEPT_LR.items():
+    assert name in best, f'{name} has no row in the sweep report'
+    assert math.isclose(lr, best[name]), (name, lr, best[name])

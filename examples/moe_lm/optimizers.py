@@ -38,7 +38,8 @@ warmup + cosine learning-rate schedule. Names:
   matrices of attention, dense MLPs and experts (per expert); Adam on embeddings,
   norms and the router).
 
-`RECOMMENDED` is the policy `train.py` trains by default, beside `BASELINE` (AdamW).
+`RECOMMENDED` is the policy `train.py` trains by default, beside `BASELINE` (AdamW),
+each at its best learning rate in `benchmarks/quality.py`'s sweep (`SWEPT_LR`).
 
 Default learning rates (`DEFAULT_LR`): the published 3e-4 for the Adam family
 (SkewAdam and its ablations, AdamW, AdamPM, both Adafactors); Lion conventionally 3-10x
@@ -84,6 +85,16 @@ DEFAULT_LR = {
     'skewadam-router-adam-eps': ADAM_LR, 'skewadam-router-adam-eps-momentum': ADAM_LR,
     'skewadam-muon': ADAM_LR, 'skewadam-muon-orthogonal-experts': ADAM_LR,
 }
+# The best peak lr of the main job's two optimizers in `benchmarks/quality.py`'s
+# 2000-step sweep (the same lr grid, refinement and seeds for every optimizer; its
+# report, benchmarks/results/quality_sweep/report_steps2000.json, is checked against
+# this in tests/test_train.py). `default_lr` falls back to `DEFAULT_LR` elsewhere.
+SWEPT_LR = {RECOMMENDED: 3e-3, BASELINE: 1.7e-3}
+
+
+def default_lr(name: str) -> float:
+  """The peak lr `name` trains at unless told: its swept best, else `DEFAULT_LR`."""
+  return SWEPT_LR.get(name, DEFAULT_LR[name])
 
 
 def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
@@ -175,7 +186,7 @@ def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
 
   Args:
     name: one of `OPTIMIZERS`.
-    learning_rate: peak learning rate; None means `DEFAULT_LR[name]`.
+    learning_rate: peak learning rate; None means `default_lr(name)`.
     total_steps: length of the schedule (cosine reaches 0 here).
     warmup_steps: linear warmup steps.
     weight_decay: decoupled weight decay (Lion: 3x, so that lr * wd matches Adam's at
@@ -190,7 +201,7 @@ def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
   """
   if name not in OPTIMIZERS:
     raise KeyError(f'Unknown optimizer {name!r}; choose one of {OPTIMIZERS}.')
-  lr = DEFAULT_LR[name] if learning_rate is None else float(learning_rate)
+  lr = default_lr(name) if learning_rate is None else float(learning_rate)
   schedule = warmup_cosine(lr, warmup_steps, total_steps)
   info: dict[str, Any] = {'optimizer': name, 'lr': lr, 'warmup_steps': warmup_steps,
                           'total_steps': total_steps, 'clip_norm': clip_norm}

@@ -2,8 +2,8 @@
 
 One command trains the `small` preset (1.8M parameters, 86% in experts) on the CPython
 standard library's sources with the recommended SkewAdam policy and with AdamW, from the
-same initial weights on the same batches, each at its own default learning rate
-(`optimizers.RECOMMENDED`, `optimizers.BASELINE`, `optimizers.DEFAULT_LR`), and ends
+same initial weights on the same batches, each at its best learning rate in the
+quality sweep (`optimizers.RECOMMENDED`, `optimizers.BASELINE`, `optimizers.SWEPT_LR`), and ends
 with one table and one plot comparing them:
 
   python examples/moe_lm/train.py                       # recommended vs AdamW, ~3 min
@@ -90,7 +90,7 @@ class TrainConfig:
   steps: int = 400
   batch_size: int = 16
   seq_len: Optional[int] = None  # None: the preset's max_len
-  lr: Optional[float] = None  # None: optimizers.DEFAULT_LR[optimizer]
+  lr: Optional[float] = None  # None: optimizers.default_lr(optimizer)
   muon_adam_lr: Optional[float] = None  # Muon's Adam branch; None: optimizers.ADAM_LR
   warmup: int = 40
   weight_decay: float = 0.1
@@ -785,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
               help="tokens per sequence; unset: the preset's max_len")
   _cli.option(p, '--lr', type=float, default=d.lr,
               help='peak learning rate of every optimizer trained; unset: each its own '
-                   '(DEFAULT_LR in optimizers.py)')
+                   '(default_lr in optimizers.py: the swept best, else DEFAULT_LR)')
   _cli.option(p, '--muon-adam-lr', type=float, default=d.muon_adam_lr,
               help="peak lr of Muon's Adam branch (embeddings, norms, router); unset: "
                    f'{opt_lib.ADAM_LR:g}')
@@ -873,7 +873,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(report(result))
     print(f'\nwrote {", ".join(str(p) for p in paths.values())}')
     return result
-  lrs = [opt_lib.DEFAULT_LR[c.optimizer] if c.lr is None else c.lr for c in configs]
+  lrs = [opt_lib.default_lr(c.optimizer) if c.lr is None else c.lr for c in configs]
   print(f'training {", ".join(f"{c.optimizer} (lr {lr:g})" for c, lr in zip(configs, lrs))}'
         f', {tc.steps} steps each, from the same initial weights on the same batches')
   results = [train(c, data) for c in configs]

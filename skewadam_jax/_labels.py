@@ -343,11 +343,17 @@ def _stacks_and_banks(leaves: list[_Leaf], label: bool) -> _stacks.Structure:
                     f'bank in {where}, beside router candidate {first}')
     for r in group.routers:
       router = leaves[r]
+      module = router.segs[:-1]
       if router.tier is None:
-        router.tier, router.source, router.unit = 'router', 'structure', router.segs[:-1]
+        router.tier, router.source, router.unit = 'router', 'structure', module
         router.why = (f'maps an axis of bank {where} to its {group.length} experts')
+      # A router module of its own brings its bias / scale along; a router kernel that is
+      # a bare leaf beside the bank's leaves (`ffn/{sel, w_in, w_out}`) brings a bias [E]
+      # only: the module's other leaves (a norm scale, a dense kernel) route nothing.
+      beside = any(leaves[i].segs[:-1] == module for i in group.members)
       for leaf in leaves:  # its bias / scale, in the same module
-        if leaf.tier is None and leaf.segs[:-1] == router.segs[:-1]:
+        if leaf.tier is None and leaf.segs[:-1] == module and (
+            not beside or leaf.core == (group.length,)):
           leaf.tier, leaf.source, leaf.unit = 'router', 'structure', router.segs[:-1]
           leaf.why = f'beside router kernel {router.path}'
   return found
@@ -403,7 +409,8 @@ def _structure(leaves: list[_Leaf], use_axis_names: bool) -> None:
         found.append(leaf)
     for router in found:  # its bias / scale, in the same module
       for leaf in children.get(router.unit, []):
-        if leaf.tier is None:
+        # A bare router kernel of the block itself brings a bias [E] only (as above).
+        if leaf.tier is None and (router.unit != block or leaf.core == (e,)):
           leaf.tier, leaf.source, leaf.unit = 'router', 'structure', router.unit
           leaf.why = f'beside router kernel {router.path}'
 

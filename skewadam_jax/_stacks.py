@@ -16,11 +16,13 @@ explains) when
   followed by a numbered module, as unrolled `layers/0` are): the one position not yet
   explained that has the same length in all its leaves is the layer axis; or
 * it is not the whole tree, it holds >= 2 array leaves, each with >= 2 axes not yet
-  explained and one with >= 3, and some position, the last of no leaf, has the same
+  explained and one with >= 3, and some position (see below) has the same
   length (> 1) in all of them: that position is the layer axis of a stack if nothing
   outside has that length and the leaves belong to >= 2 modules, the expert axis of a
-  bank if a router candidate sits beside the subtree. (A stack whose layer axis is the
-  last axis of a leaf, as MaxText's norm scales [d, L], is found by its name only.)
+  bank if a router candidate sits beside the subtree. (The position may be the last
+  axis of a stacked vector, a scale or bias [d, L] beside [d, L, h] as MaxText and
+  Linen's `nn.scan(variable_axes={'params': 1})` lay them out; never of a kernel, which
+  may be a router [d, E], nor of a leaf with more axes.)
 
 A bank may also be the sibling leaves of one module beside their router
 (`ffn/{sel [d, E], w_in [E, d, f], w_out [E, f, d]}`): those are found last.
@@ -150,10 +152,15 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
       continue
     if any(len(f) < 2 for f in free) or max(len(f) for f in free) < 3:
       continue
-    # Not the last axis of any leaf: a stacked or banked leaf keeps its own axes last.
-    ndim = min(len(shapes[i]) for i in members) - 1
+    # A stacked or banked leaf keeps its own axes last, so the shared axis is the last
+    # axis of no leaf, except of a stacked vector: a scale or bias [d, L] beside [d, L, h]
+    # (Linen's `nn.scan(variable_axes={'params': 1})`, MaxText). A kernel [d, n] is not
+    # one: it may be a router [d, E] beside banks [.., E, d, f].
+    ndim = min(len(shapes[i]) for i in members)
     common = [p for p in range(ndim) if p not in known and shapes[members[0]][p] > 1
-              and len({shapes[i][p] for i in members}) == 1]
+              and len({shapes[i][p] for i in members}) == 1
+              and all(p != f[-1] or (len(f) == 2 and _vector(segs[i]))
+                      for i, f in zip(members, free))]
     if not common:
       continue
     inside = set(members)
@@ -240,6 +247,11 @@ def _sibling_banks(groups: list[Group], segs: Sequence[tuple[str, ...]],
       if routers:
         axis = core_axes(shapes[members[0]], scan[members[0]])[0]
         groups.append(Group(module, members, axis, n, 'bank', False, routers))
+
+
+def _vector(segs: tuple[str, ...]) -> bool:
+  """Whether a leaf is named like a vector (a scale or a bias), not a kernel."""
+  return any(s in segs[-1] for s in NOT_KERNEL)
 
 
 def _core(shape: tuple[int, ...], scan: set[int]) -> tuple[int, ...]:

@@ -333,3 +333,18 @@ def test_label_tree_from_axis_names_trains_with_nnx_optimizer():
   inner = optax.tree_utils.tree_get(opt.opt_state, 'inner_states')
   v_row = optax.tree_utils.tree_get(inner['experts'], 'v_row')
   assert v_row['ffn_bank'].shape == (mm.E, mm.D)  # factored per expert: the experts tier
+
+
+def test_a_bare_router_kernel_brings_only_its_bias_into_the_router_tier():
+  """An unnamed router kernel [d, E] that is a bare leaf of the block holding the bank:
+  its bias [E] is the router's, the block's norm scale and dense kernel are not."""
+  z = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  tree = {'tok': z(64, 16),
+          'blk': {'sel': z(16, 4), 'sel_b': z(4), 'scale': z(16), 'w': z(16, 16),
+                  'experts': {'w_in': z(4, 16, 32), 'w_out': z(4, 32, 16)}}}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    labels = sj.moe_param_labels(tree)
+  assert labels['blk'] == {'sel': 'router', 'sel_b': 'router', 'scale': 'backbone',
+                           'w': 'backbone', 'experts': {'w_in': 'experts',
+                                                        'w_out': 'experts'}}

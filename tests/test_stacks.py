@@ -19,6 +19,7 @@ import pytest
 
 import skewadam_jax as sj
 from skewadam_jax import _labels
+from skewadam_jax import _tree
 
 V, D, H, F = 64, 16, 24, 32
 SIZES = [(2, 4), (6, 4)]  # (R, E): the repeat length below and above the expert count
@@ -61,6 +62,35 @@ def _siblings(r: int, e: int) -> tuple[Any, dict]:
   tree['body']['ffn'] = {'w_sel': ffn['w_sel'], **ffn['bank']}
   for name in ('w_in', 'w_out'):
     expected[f'body/ffn/{name}'] = expected.pop(f'body/ffn/bank/{name}')
+  return tree, expected
+
+
+def _siblings_with_dense(r: int, e: int) -> tuple[Any, dict]:
+  """The sibling layout with more leaves in the router's module: a router bias [R, E],
+  a dense kernel [R, d, d] and a scale [R, d] (routing nothing: backbone)."""
+  tree, expected = _siblings(r, e)
+  tree['body']['ffn'].update(w_sel_b=_z(r, e), w_mix=_z(r, D, D), w_scale=_z(r, D))
+  expected.update({'body/ffn/w_sel_b': ('router', (0,)),
+                   'body/ffn/w_mix': ('backbone', (0,)),
+                   'body/ffn/w_scale': ('backbone', (0,))})
+  return tree, expected
+
+
+def _scanned_axis1(r: int, e: int) -> tuple[Any, dict]:
+  """The scanned stack with its layer axis at position 1 (Linen's
+  `nn.scan(variable_axes={'params': 1})`): norm scales [d, R], projections [d, R, h],
+  a router [d, R, E] in its own module and banks [E, R, d, f]."""
+  tree = {'tok': {'table': _z(V, D)},
+          'body': {'pre': {'scale': _z(D, r)},
+                   'mix': {'q': _z(D, r, H), 'k': _z(D, r, H), 'o': _z(H, r, D)},
+                   'ffn': {'sel': {'kernel': _z(D, r, e)}, 'w_in': _z(e, r, D, F),
+                           'w_out': _z(e, r, F, D)}},
+          'final': {'scale': _z(D)}}
+  expected = {'tok/table': ('backbone', ()), 'final/scale': ('backbone', ()),
+              'body/pre/scale': ('backbone', (1,)), 'body/mix/q': ('backbone', (1,)),
+              'body/mix/k': ('backbone', (1,)), 'body/mix/o': ('backbone', (1,)),
+              'body/ffn/sel/kernel': ('router', (1,)),
+              'body/ffn/w_in': ('experts', (0, 1)), 'body/ffn/w_out': ('experts', (0, 1))}
   return tree, expected
 
 
@@ -108,7 +138,8 @@ def _silently_wrong(rows: dict[str, sj.LeafReport], text: str,
 
 
 LAYOUTS = {'scanned': _scanned, 'scanned_dense': lambda r, e: _scanned(r, e, moe=False),
-           'siblings': _siblings, 'unrolled': _unrolled}
+           'scanned_axis1': _scanned_axis1, 'siblings': _siblings,
+           'siblings_with_dense': _siblings_with_dense, 'unrolled': _unrolled}
 
 
 @pytest.mark.parametrize('r,e', SIZES, ids=[f'R{r}E{e}' for r, e in SIZES])
@@ -212,3 +243,56 @@ def test_a_repeat_length_equal_to_the_expert_count_is_no_confusion(layout):
   rows, text = _report(tree)
   assert {p: (rows[p].tier, rows[p].batch_axes) for p in expected} == expected
   assert text == ''
+
+
+# ---------------------------------------------------------------------------- traced models
+
+
+def _default_labels_and_axes(params: Any) -> tuple[dict[str, tuple[str, tuple[int, ...]]],
+                                                     str]:
+  """The name-free default (`moe_param_labels`, `moe_batch_axes`, no function given):
+  (tier, batch axes) by normalised path, and the text of every unsure-label warning."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    labels = sj.moe_param_labels(params)
+    axes = sj.moe_batch_axes(params)
+  text = '\n'.join(str(w.message) for w in caught
+                   if issubclass(w.category, _labels.UnsureLabelWarning))
+  flat_labels, treedef = jax.tree_util.tree_flatten_with_path(labels)
+  got = {}
+  for (path, tier), leaf_axes in zip(flat_labels, treedef.flatten_up_to(axes)):
+    got['/'.join(_tree.path_segments(path))] = (tier, tuple(leaf_axes))
+  return got, text
+
+
+# The cases of tests/structure_models.py (imported when used: it needs Equinox and a recent
+# Flax, which the minimum-versions run, selecting only fast tests, does not install).
+TRACED_CASES = ('eqx', 'linen', 'nested', 'nnx', 'ragged')
+
+
+@pytest.fixture(scope='module', params=TRACED_CASES)
+def traced_case(request):
+  pytest.importorskip('equinox')
+  import structure_models  # noqa: PLC0415
+  assert sorted(structure_models.CASES) == list(TRACED_CASES)
+  return structure_models.CASES[request.param]()
+
+
+@pytest.mark.slow  # builds a model (seconds of eager init)
+def test_the_default_on_the_traced_structure_models_is_right_or_reported(traced_case):
+  """The five name-free MoE models of `test_structure` (their truth is hand-written):
+  without a function, every leaf is right or named in a warning."""
+  case = traced_case
+  got, text = _default_labels_and_axes(case.params)
+  right, warned, silent = [], [], []
+  for path, tier in case.tiers.items():
+    expected = (tier, case.axes[path])
+    if got[path] == expected:
+      right.append(path)
+    elif re.search(rf'(^|\W){re.escape(path)}\W', text):
+      warned.append(path)
+    else:
+      silent.append(f'{path}: {got[path]} (expected {expected})')
+  print(f'{case.name}: leaves={len(case.tiers)} right={len(right)} '
+        f'wrong-but-warned={len(warned)} silent-wrong={len(silent)}')
+  assert silent == []

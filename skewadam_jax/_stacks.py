@@ -27,6 +27,10 @@ explains) when
 A bank may also be the sibling leaves of one module beside their router
 (`ffn/{sel [d, E], w_in [E, d, f], w_out [E, f, d]}`): those are found last.
 
+A length shared by the leaves of one module only, with no router beside it, is a
+layer axis or an expert axis alike: the module is reported with all its leaves (its
+vectors and matrices too, which the rank-3 report of the defaults does not name).
+
 Two readable positions (R == E laid out alike, or two lengths no other leaf explains)
 are reported: which axis stacks the layers and which indexes the experts is then a
 guess, and the report names the paths and the rule that settles it.
@@ -185,8 +189,15 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
       elif not any(n in _core(shapes[i], scan[i]) for i in outside):
         # A length nothing else has: a stack's; in one module, perhaps a bank's too.
         readings.append((p, 'stack' if modules >= 2 else 'lone', []))
-    if all(kind == 'lone' for _, kind, _ in readings):
-      continue  # no router, one module: the defaults and their reports hold
+    if readings and all(kind == 'lone' for _, kind, _ in readings):
+      # No router, one module: stack or bank is a guess. The defaults report its rank-3
+      # leaves, not its vectors and matrices ([R, d] or [E, f], no batch axis by
+      # default), which are wrong either way if it is a stack or a bank: report them all.
+      if any(len(f) < 3 for f in free):
+        seen.add(key)
+        confusions.append((_lone_finding(prefix, members, readings, paths, shapes),
+                           members))
+      continue
     if len(readings) == 1:
       seen.add(key)
       p, kind, routers = readings[0]
@@ -247,6 +258,20 @@ def _sibling_banks(groups: list[Group], segs: Sequence[tuple[str, ...]],
       if routers:
         axis = core_axes(shapes[members[0]], scan[members[0]])[0]
         groups.append(Group(module, members, axis, n, 'bank', False, routers))
+
+
+def _lone_finding(prefix: tuple[str, ...], members: list[int],
+                  readings: list[tuple[int, str, list[int]]], paths: Sequence[str],
+                  shapes: Sequence[Optional[tuple[int, ...]]]) -> str:
+  """The report on one module whose leaves share a length that nothing else explains."""
+  where = '/'.join(prefix)
+  axes = ', '.join(f'axis {p} ({shapes[members[0]][p]})' for p, _, _ in readings)
+  return (f"{where}/** ({', '.join(paths[i] for i in members)}): the leaves of one module "
+          f'share {axes}, which no leaf outside has and no router maps to, so it is the '
+          'layer axis of a stack or the expert axis of a bank whose router is not in sight; '
+          "say which: batch_axes=lambda p: sj.moe_batch_axes(p, rules=[('"
+          f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
+          f"param_labels=sj.make_labeler([('{where}', 'experts')])")
 
 
 def _vector(segs: tuple[str, ...]) -> bool:

@@ -1,7 +1,8 @@
 """MoE models in several styles whose parameter names say nothing about their role.
 
-No path contains `expert`, `router`, `gate`, `moe`, `layer` or `scan`: the tiers and batch
-axes of these models can only come from the computation (`sj.trace_structure`). Each
+No path contains `expert`, `router`, `gate`, `moe`, `layer`, `scan`, `stack`, `block`,
+`stage` or `repeat`: the tiers and batch axes of these models can only come from the
+computation (`sj.trace_structure`) or, without it, from shapes. Each
 `Case` holds the params, the forward function, example inputs and the hand-written
 truth: every leaf's tier and batch axes.
 """
@@ -24,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 D, E, F, V = 8, 4, 12, 16  # width, routed count, hidden width, vocabulary
 B, S = 2, 5  # tokens: T = 10 (no length equals E by accident)
 C = 6  # slots per routed unit in capacity dispatch
-FORBIDDEN = ('expert', 'router', 'gate', 'moe', 'layer', 'scan')
+FORBIDDEN = ('expert', 'router', 'gate', 'moe', 'layer', 'scan', 'stack', 'block', 'stage',
+             'repeat')
 
 
 @dataclasses.dataclass
@@ -100,7 +102,7 @@ class NNXNet(nnx.Module):
     def create(rngs: nnx.Rngs) -> NNXUnit:
       return NNXUnit(rngs)
 
-    self.stack = create(rngs)
+    self.body = create(rngs)
     self.head = nnx.Linear(D, V, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -110,7 +112,7 @@ class NNXNet(nnx.Module):
     def run(x: jax.Array, unit: NNXUnit) -> jax.Array:
       return unit(x)
 
-    return self.head(run(x, self.stack))
+    return self.head(run(x, self.body))
 
 
 def nnx_case() -> Case:
@@ -121,13 +123,13 @@ def nnx_case() -> Case:
     return nnx.merge(graphdef, p, rest)(tokens)
 
   tiers = {'tab/embedding': 'backbone', 'head/kernel': 'backbone', 'head/bias': 'backbone',
-           'stack/ln/scale': 'backbone', 'stack/ln/bias': 'backbone',
-           'stack/pick/kernel': 'router', 'stack/bank_a': 'experts',
-           'stack/bank_b': 'experts', 'stack/common_a/kernel': 'backbone',
-           'stack/common_b/kernel': 'backbone'}
-  axes = {p: () for p in tiers if not p.startswith('stack/')}
-  axes.update({p: (0,) for p in tiers if p.startswith('stack/')})
-  axes.update({'stack/bank_a': (0, 1), 'stack/bank_b': (0, 1)})
+           'body/ln/scale': 'backbone', 'body/ln/bias': 'backbone',
+           'body/pick/kernel': 'router', 'body/bank_a': 'experts',
+           'body/bank_b': 'experts', 'body/common_a/kernel': 'backbone',
+           'body/common_b/kernel': 'backbone'}
+  axes = {p: () for p in tiers if not p.startswith('body/')}
+  axes.update({p: (0,) for p in tiers if p.startswith('body/')})
+  axes.update({'body/bank_a': (0, 1), 'body/bank_b': (0, 1)})
   return Case('nnx_vmap_scan_onehot_top_k_common', params, fn, (_tokens(),), tiers, axes)
 
 
@@ -228,22 +230,22 @@ def ragged_case() -> Case:
   k = _keys(2, 8)
   n = 2
   params = {'tab': _normal(k[0], (V, D)),
-            'stack': {'s': jnp.ones((n, D)), 'q': _normal(k[1], (n, D, E)),
+            'body': {'s': jnp.ones((n, D)), 'q': _normal(k[1], (n, D, E)),
                       'qb': jnp.zeros((n, E)), 'u': _normal(k[2], (n, E, D, F)),
                       'v': _normal(k[3], (n, E, F, D)), 'm': _normal(k[4], (n, D, D))},
             'out': _normal(k[5], (D, V))}
 
   def fn(p: Any, tokens: jax.Array, flag: jax.Array) -> jax.Array:
     x = p['tab'][tokens].reshape(-1, D)
-    body = jax.checkpoint(lambda c, sp: (_ragged_unit(c, sp, flag), None))
-    x, _ = jax.lax.scan(body, x, p['stack'])
+    step = jax.checkpoint(lambda c, sp: (_ragged_unit(c, sp, flag), None))
+    x, _ = jax.lax.scan(step, x, p['body'])
     return x @ p['out']
 
-  tiers = {'tab': 'backbone', 'out': 'backbone', 'stack/s': 'backbone',
-           'stack/q': 'router', 'stack/qb': 'router', 'stack/u': 'experts',
-           'stack/v': 'experts', 'stack/m': 'backbone'}
-  axes = {'tab': (), 'out': (), 'stack/s': (0,), 'stack/q': (0,), 'stack/qb': (0,),
-          'stack/u': (0, 1), 'stack/v': (0, 1), 'stack/m': (0,)}
+  tiers = {'tab': 'backbone', 'out': 'backbone', 'body/s': 'backbone',
+           'body/q': 'router', 'body/qb': 'router', 'body/u': 'experts',
+           'body/v': 'experts', 'body/m': 'backbone'}
+  axes = {'tab': (), 'out': (), 'body/s': (0,), 'body/q': (0,), 'body/qb': (0,),
+          'body/u': (0, 1), 'body/v': (0, 1), 'body/m': (0,)}
   return Case('dict_scan_ragged_dot_remat_cond_custom_vjp', params, fn,
               (_tokens(2), jnp.ones((), jnp.int32)), tiers, axes)
 
@@ -328,18 +330,18 @@ class EqxUnit(eqx.Module):
 class EqxNet(eqx.Module):
   """Embedding, 2 `EqxUnit`s stacked by `eqx.filter_vmap` and applied by `lax.scan`."""
   tab: eqx.nn.Embedding
-  stack: EqxUnit
+  body: EqxUnit
   out: eqx.nn.Linear
 
   def __init__(self, key: jax.Array):
     k = jax.random.split(key, 3)
     self.tab = eqx.nn.Embedding(V, D, key=k[0])
-    self.stack = eqx.filter_vmap(EqxUnit)(jax.random.split(k[1], 2))
+    self.body = eqx.filter_vmap(EqxUnit)(jax.random.split(k[1], 2))
     self.out = eqx.nn.Linear(D, V, key=k[2])
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = jax.vmap(self.tab)(tokens.reshape(-1))
-    dynamic, static = eqx.partition(self.stack, eqx.is_array)
+    dynamic, static = eqx.partition(self.body, eqx.is_array)
 
     def body(c: jax.Array, d: Any) -> tuple[jax.Array, None]:
       return eqx.combine(d, static)(c), None
@@ -351,11 +353,11 @@ class EqxNet(eqx.Module):
 def eqx_case() -> Case:
   model = EqxNet(jax.random.key(4))
   tiers = {'tab/weight': 'backbone', 'out/weight': 'backbone', 'out/bias': 'backbone',
-           'stack/sel/weight': 'router', 'stack/w_in': 'experts', 'stack/w_out': 'experts',
-           'stack/common_a/weight': 'backbone', 'stack/common_a/bias': 'backbone',
-           'stack/common_b/weight': 'backbone', 'stack/common_b/bias': 'backbone'}
-  axes = {p: ((0,) if p.startswith('stack/') else ()) for p in tiers}
-  axes.update({'stack/w_in': (0, 1), 'stack/w_out': (0, 1)})
+           'body/sel/weight': 'router', 'body/w_in': 'experts', 'body/w_out': 'experts',
+           'body/common_a/weight': 'backbone', 'body/common_a/bias': 'backbone',
+           'body/common_b/weight': 'backbone', 'body/common_b/bias': 'backbone'}
+  axes = {p: ((0,) if p.startswith('body/') else ()) for p in tiers}
+  axes.update({'body/w_in': (0, 1), 'body/w_out': (0, 1)})
   return Case('eqx_filter_vmap_scan_argmax_gather_common', model, lambda m, t: m(t),
               (_tokens(4),), tiers, axes)
 

@@ -206,6 +206,29 @@ def test_a_stack_and_a_bank_that_could_be_confused_are_reported():
   assert fixed(tree)['blk']['grp']['w_in'] == 'experts'
 
 
+def test_one_module_sharing_a_length_no_one_else_has_is_reported_whole():
+  """One module's leaves share a leading length 4 that no leaf outside has and no router
+  maps to: a stack of 4 layers or a bank of 4 experts. The rank-2 leaves (a scale and a
+  bias, no batch axis by default) are named in the report too, not only the kernels."""
+  tree = {'tok': {'table': _z(V, D)},
+          'body': {'s': _z(4, D), 'w': _z(4, D, F), 'b': _z(4, F), 'm': _z(4, D, D)},
+          'out': _z(D, V)}
+  rows, text = _report(tree)
+  assert re.search(r'body/\*\* \(body/b, body/m, body/s, body/w\)', text), text
+  assert {p for p, r in rows.items() if r.note.startswith('UNSURE')} == {
+      'body/s', 'body/w', 'body/b', 'body/m'}
+  with pytest.raises(ValueError, match=r'body/\*\*'):
+    sj.make_labeler(strict=True)(tree)
+  # The rules the message suggests settle it, quietly.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    labeler = sj.make_labeler([('body', 'experts')], strict=True)
+    labels = labeler(tree)
+    axes = sj.moe_batch_axes(tree, labeler, rules=[('body/**', (0,))])
+  assert set(labels['body'].values()) == {'experts'}
+  assert axes['body'] == {'s': (0,), 'w': (0,), 'b': (0,), 'm': (0,)}
+
+
 def test_a_subtree_sharing_a_feature_width_is_no_stack():
   """q, k and v [d, heads, head_dim] share d and head_dim with leaves outside them:
   neither is a layer axis, and nothing is reported."""

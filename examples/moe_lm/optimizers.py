@@ -59,9 +59,9 @@ from optax import contrib
 import skewadam_jax as sj
 
 ADAM_LR = 3e-4
-# The policy `train.py` trains by default, beside `BASELINE`, each at its `DEFAULT_LR`.
+# The policy `train.py` trains by default, beside `BASELINE`, each at its `SWEPT_LR`.
 # This is the one place that names it: the README's first command and its table follow.
-RECOMMENDED = 'skewadam-muon'
+RECOMMENDED = 'skewadam-muon-orthogonal-experts'
 BASELINE = 'adamw'
 OPTIMIZERS = (
     'skewadam', 'adampm', 'adampm-input-axis', 'adamw', 'adafactor', 'adafactor-momentum',
@@ -89,7 +89,7 @@ DEFAULT_LR = {
 # 2000-step sweep (the same lr grid, refinement and seeds for every optimizer; its
 # report, benchmarks/results/quality_sweep/report_steps2000.json, is checked against
 # this in tests/test_train.py). `default_lr` falls back to `DEFAULT_LR` elsewhere.
-SWEPT_LR = {RECOMMENDED: 3e-3, BASELINE: 1.7e-3}
+SWEPT_LR = {RECOMMENDED: 3e-2, BASELINE: 1.7e-3}
 
 
 def default_lr(name: str) -> float:

@@ -757,8 +757,8 @@ def write_comparison(results: list[dict[str, Any]], out: str | os.PathLike[str]
   labelled = [dict(r, label=f'{r["optimizer"]["optimizer"]} (lr {r["optimizer"]["lr"]:g})')
               for r in results]
   plot_losses(labelled, paths['png'],
-              title=f'{" vs ".join(r["label"] for r in labelled)} on '
-                    f'{results[0]["config"]["preset"]}: same init, same batches')
+              title=f'{" vs ".join(r["label"] for r in labelled)}\n'
+                    f'on {results[0]["config"]["preset"]}: same init, same batches')
   paths['md'].write_text('\n\n'.join([comparison_report(results), *map(report, results)])
                          + '\n')
   return paths

@@ -78,6 +78,7 @@ sys.path.insert(0, str(ROOT / 'benchmarks'))
 
 import _common  # noqa: E402
 from examples import _cli  # noqa: E402
+from examples.moe_lm import data as data_lib  # noqa: E402
 from examples.moe_lm import model as model_lib  # noqa: E402
 from examples.moe_lm import optimizers as opt_lib  # noqa: E402
 from examples.moe_lm import train as train_lib  # noqa: E402
@@ -463,7 +464,7 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
       f'## Optimizer sweep: `{args.preset}` MoE LM, {args.steps} steps x '
       f'{r0["timing"]["tokens_per_step"]:,} tokens', '',
       f'{len(records)} complete runs under `{args.out}/runs` ({wall / 60:.1f} min of '
-      f'training in all); data: {r0["data"]}  ',
+      f'training in all); data: {data_lib.portable_summary(r0["data"])}  ',
       f'Schedule: {r0["config"]["warmup"]} warmup steps then cosine to 0, clip 1.0, '
       f'weight decay {r0["config"]["weight_decay"]}; validation every '
       f'{r0["config"]["eval_every"]} steps on {r0["config"]["eval_batches"]} fixed '

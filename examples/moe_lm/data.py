@@ -17,6 +17,8 @@ import dataclasses
 import hashlib
 import os
 from pathlib import Path
+import re
+import sys
 import sysconfig
 from typing import Iterable, Sequence
 
@@ -177,9 +179,18 @@ class ByteDataset:
     return [_windows(self.validation, s, window) for s in starts]
 
   def summary(self) -> str:
-    """One line: root, file and byte counts of both splits."""
-    return (f'{self.root}: train {len(self.train_files)} files / {len(self.train):,} bytes, '
+    """One line: the corpus, file and byte counts of both splits (the standard library
+    is named, not its path on this machine)."""
+    where = (f'Python {sys.version_info.major}.{sys.version_info.minor} standard library'
+             if Path(self.root) == stdlib_dir() else str(self.root))
+    return (f'{where}: train {len(self.train_files)} files / {len(self.train):,} bytes, '
             f'validation {len(self.val_files)} files / {len(self.validation):,} bytes')
+
+
+def portable_summary(summary: str) -> str:
+  """A `summary()` line recorded by an older version, with the standard library's path
+  on the recording machine replaced by its name."""
+  return re.sub(r'^\S*/lib/python(\d+\.\d+):', r'Python \1 standard library:', summary)
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:

@@ -42,7 +42,8 @@ instruction (as `benchmarks/_common.hlo_kernel_bytes`).
 Also checked once per model: `sj.label_table(params)` against record.py's hand
 judgement (`easydel_judge` / `maxtext_judge`) of every leaf's tier.
 
-Writes `<out>/<library>.json` and `<out>/<library>.md` (default out: /tmp/...).
+Writes `<out>/<library>.json` and `<out>/<library>.md` (default out: `runs/real_compile_time`
+under the repository, which git ignores).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-DEFAULT_OUT = '/tmp/skewadam_real_compile_time'
+DEFAULT_OUT = os.path.join(REPO, 'runs', 'real_compile_time')
 
 LR = 1e-3
 WD = 0.1

@@ -104,8 +104,11 @@ if __name__ == '__main__':
     # MaxText's own trainer, with the hook installed above (synthetic data).
     from maxtext.trainers.pre_train import train
     from maxtext.utils.globals import MAXTEXT_PKG_DIR
+    # Outputs under the repository's runs/ (ignored by git).
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'runs',
+                       'maxtext_skewadam')
     train.main([None, os.path.join(MAXTEXT_PKG_DIR, 'configs', 'base.yml')] + TINY + [
         'dataset_type=synthetic', 'enable_checkpointing=False',
-        'base_output_directory=/tmp/maxtext_skewadam', 'run_name=skewadam'])
+        f'base_output_directory={os.path.normpath(out)}', 'run_name=skewadam'])
     raise SystemExit(0)
   main()

@@ -75,7 +75,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
   """`write_json`, but via a temporary file and `os.replace`.
 
-  An interrupted write (Ctrl-C, a killed session) then leaves either the old file or
+  An interrupted write (Ctrl-C, a killed process) then leaves either the old file or
   the new one, never half a file that a resumable sweep would take for a finished run.
   """
   path.parent.mkdir(parents=True, exist_ok=True)

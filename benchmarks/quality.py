@@ -26,8 +26,8 @@ its better neighbour, first seed); then the best lr again with more seeds.
 
 One JSON per run, `<out>/runs/<optimizer>_lr<lr>_seed<seed>_steps<steps>.json`,
 written atomically when the run ends. A run whose JSON exists and is complete is
-skipped, so an interrupted sweep resumes where it stopped, in this session or a later
-one; a JSON made with other settings (preset, batch, schedule, evaluation) stops the
+skipped, so an interrupted sweep resumes where it stopped, whenever it is run
+again; a JSON made with other settings (preset, batch, schedule, evaluation) stops the
 sweep instead of being mixed in. After the runs (or alone, with `--report-only`) every
 complete run JSON of this `--preset` and `--steps` under `--out` is read back into:
 
@@ -470,7 +470,8 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
       f'{r0["config"]["eval_every"]} steps on {r0["config"]["eval_batches"]} fixed '
       'batches, without router noise and dropless.  ',
       f'Machine: {m["cpu_count"]} CPU cores, {m["platform"]}, jax {m["jax"]}, optax '
-      f'{m["optax"]}, flax {m["flax"]} (tokens/s on a shared machine are indicative).', '',
+      f'{m["optax"]}, flax {m["flax"]} (tokens/s depend on the load from other '
+      'processes: indicative only).', '',
       'Best lr: the lowest mean final validation loss over the seeds that every lr of '
       'the optimizer has run (the first seed nominates the lr, which gets more seeds); '
       f'where other lrs have {BEST_LR_SEEDS} or more seeds too, the lowest mean over the '

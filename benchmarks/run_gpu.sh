@@ -12,7 +12,7 @@
 # 3. gpu_compile.py for the same GPU model: the compile-only figures recorded without
 #    a device, to check them against 1 and 2.
 # Each script writes its tables, JSON and plots under DEST and prints its table. Where
-# the variable OUT names a folder (the device tool's), DEST is also packed into
+# the variable OUT names a folder (a remote runner's output folder), DEST is also packed into
 # $OUT/gpu_results.tgz with the log, since only a few files come back from there.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import re
 import warnings
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import jax
 
+from skewadam_jax import _flax
 from skewadam_jax import _labels
+from skewadam_jax import _paths
 from skewadam_jax import _second_moment
 from skewadam_jax import _stacks
 from skewadam_jax import _tree
@@ -55,23 +56,7 @@ _LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
 _ATTENTION = ('attn', 'attention')
 # Built-in rules: gemma stacks the k and v projections of `kv_einsum` on axis 0.
 DEFAULT_AXES_RULES: tuple[AxesRule, ...] = (('*kv_einsum/w', (0,)),)
-
-
-@dataclasses.dataclass
-class _Leaf:
-  path: str
-  segs: tuple[str, ...]  # lowercase normalised segments
-  shape: tuple[int, ...]
-  names: Optional[tuple[Any, ...]]
-  tier: Any
-  axes: Optional[set[int]] = None  # decided batch axes
-  source: str = ''
-  scan: set[int] = dataclasses.field(default_factory=set)
-
-  @property
-  def core(self) -> tuple[int, ...]:
-    """The shape of one layer's leaf: `shape` without its scanned axes."""
-    return _stacks.core_shape(self.shape, self.scan)
+_DEFAULT_RULES = _paths.compile_rules(DEFAULT_AXES_RULES)
 
 
 def _named(entry: Any, pattern: Any, names: frozenset[str]) -> bool:
@@ -80,23 +65,13 @@ def _named(entry: Any, pattern: Any, names: frozenset[str]) -> bool:
              for e in entries)
 
 
-def _stacks_of(leaves: list[_Leaf], shapes: list[Optional[tuple[int, ...]]]
-               ) -> _stacks.Structure:
-  """Adds the layer axes of scanned stacks (named or not) to `leaf.scan`."""
-  found = _stacks.analyse([x.path for x in leaves], [x.segs for x in leaves], shapes,
-                          [x.tier for x in leaves], [True] * len(leaves))
-  for leaf, scan in zip(leaves, found.scan):
-    leaf.scan = scan
-  return found
-
-
-def _expert_axis(leaf: _Leaf) -> Optional[int]:
+def _expert_axis(leaf: _paths.Leaf) -> Optional[int]:
   """The first axis of `leaf` that no scan explains (where a stacked bank keeps E)."""
-  free = _stacks.core_axes(leaf.shape, leaf.scan)
+  free = _paths.core_axes(leaf.shape, leaf.scan)
   return free[0] if free else None
 
 
-def _banked(leaves: list[_Leaf]) -> set[int]:
+def _banked(leaves: list[_paths.Leaf]) -> set[int]:
   """Indices of experts-tier leaves whose first unscanned axis indexes the experts.
 
   A per-expert bias [E, F] or scale [E] sits beside a stacked kernel [E, ..., d, f]
@@ -116,7 +91,7 @@ def _banked(leaves: list[_Leaf]) -> set[int]:
   return out
 
 
-def _structure(leaf: _Leaf, banked: bool) -> set[int]:
+def _structure(leaf: _paths.Leaf, banked: bool) -> set[int]:
   axes = set(leaf.scan)
   ndim = len(leaf.shape)
   if banked:
@@ -156,50 +131,41 @@ def _labels_for(params: Any, labels: Any) -> tuple[Any, bool]:
 
 def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
            use_axis_names: bool = False, warn: bool = True,
-           labels_reported: Optional[bool] = None) -> tuple[list[_Leaf], Any]:
+           labels_reported: Optional[bool] = None) -> tuple[list[_paths.Leaf], Any]:
   """Every leaf of `params` with its batch axes decided (flattening order), and treedef.
 
   `labels_reported`: whether the labeler already reported the subtrees that read as a
   stack and as a bank alike (default: when `labels` is None or a `Labeler`).
   """
-  names = _labels._axis_names_by_path(params) if use_axis_names else {}  # noqa: SLF001
+  names = _flax.axis_names_by_path(params) if use_axis_names else {}
   full_labels, reported = _labels_for(params, labels)
   if labels_reported is not None:
     reported = labels_reported
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  tiers = treedef.flatten_up_to(full_labels)
-  leaves, shapes = [], []
-  for (path, x), tier in zip(flat, tiers):
-    segs = _tree.path_segments(path)
-    leaves.append(_Leaf(path='/'.join(segs) or '<root>',
-                        segs=tuple(s.lower() for s in segs), shape=_labels._shape(x),  # noqa: SLF001
-                        names=names.get(segs), tier=tier))
-    shapes.append(leaves[-1].shape if _labels._is_array(x) else None)  # noqa: SLF001
-  compiled = [(_labels._compile(p), tuple(a), p) for p, a in rules]  # noqa: SLF001
-  defaults = [(_labels._compile(p), tuple(a), p) for p, a in DEFAULT_AXES_RULES]  # noqa: SLF001
+  leaves, treedef = _paths.leaves_of(params, names)
+  for leaf, tier in zip(leaves, treedef.flatten_up_to(full_labels)):
+    leaf.tier = tier
+  compiled = _paths.compile_rules(rules)
   for leaf in leaves:
-    for pat, axes, text in compiled:
-      if _labels._match_span(pat, leaf.segs) is not None:  # noqa: SLF001
-        ndim = len(leaf.shape)
-        leaf.axes = {a % ndim for a in _check_rule_axes(text, axes, leaf)}
-        leaf.source = f'rule {text!r}'
-        break
+    match = _paths.first_match(compiled, leaf.segs)
+    if match is not None:
+      _, axes, text = match
+      leaf.axes = {a % len(leaf.shape) for a in _check_rule_axes(text, tuple(axes), leaf)}
+      leaf.source = f'rule {text!r}'
   for leaf in leaves:
-    if leaf.axes is None and leaf.names is not None and len(leaf.names) == len(leaf.shape):
+    if leaf.axes is None and leaf.names_well_formed:
       leaf.axes = {i for i, e in enumerate(leaf.names)
                    if _named(e, _LAYER_AXIS_NAME, _labels.EXPERT_AXIS_NAMES)}
       leaf.source = 'axis names'
-  found = _stacks_of(leaves, shapes)
+  found = _stacks.scan_leaves(leaves, [True] * len(leaves))
   unsure = found.ambiguous + ([] if reported else [line for line, _ in found.confusions])
   banked = _banked(leaves)
   for i, leaf in enumerate(leaves):
     if leaf.axes is not None:
       continue
-    for pat, axes, text in defaults:
-      if _labels._match_span(pat, leaf.segs) is not None and len(leaf.shape) > max(axes):  # noqa: SLF001
-        leaf.axes = set(axes) | leaf.scan
-        leaf.source = f'default rule {text!r}'
-        break
+    match = _paths.first_match(_DEFAULT_RULES, leaf.segs)
+    if match is not None and len(leaf.shape) > max(match[1]):
+      leaf.axes = set(match[1]) | leaf.scan
+      leaf.source = f'default rule {match[2]!r}'
     else:
       leaf.axes = _structure(leaf, i in banked)
       default = set(_second_moment.default_batch_axes(len(leaf.shape)))
@@ -211,7 +177,7 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
   return leaves, treedef
 
 
-def _check_rule_axes(text: str, axes: tuple[int, ...], leaf: _Leaf) -> tuple[int, ...]:
+def _check_rule_axes(text: str, axes: tuple[int, ...], leaf: _paths.Leaf) -> tuple[int, ...]:
   ndim = len(leaf.shape)
   bad = [a for a in axes if not -ndim <= a < ndim]
   if bad:
@@ -221,16 +187,9 @@ def _check_rule_axes(text: str, axes: tuple[int, ...], leaf: _Leaf) -> tuple[int
 
 
 def _check_rules(rules: Optional[Iterable[AxesRule]]) -> tuple[AxesRule, ...]:
-  out = []
-  for rule in rules or ():
-    ok = (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
-          and isinstance(rule[1], (tuple, list))
-          and all(isinstance(a, int) and not isinstance(a, bool) for a in rule[1]))
-    if not ok:
-      raise TypeError('batch-axes `rules` must be (pattern, axes) pairs, e.g. '
-                      f"('decoder/layers/**', (1,)), got {rule!r}.")
-    out.append((rule[0], tuple(rule[1])))
-  return tuple(out)
+  return _paths.check_rules(
+      rules, lambda axes: axes is not None and _paths.is_axes(axes),
+      "batch-axes `rules` must be (pattern, axes) pairs, e.g. ('decoder/layers/**', (1,))")
 
 
 def moe_batch_axes(params: Any, param_labels: Any = None, *,
@@ -288,11 +247,9 @@ def batch_axes_and_notes(params: Any, labels: Any, batch_axes: Any = None
   if batch_axes is None:
     leaves, _ = decide(params, labels)
     return [tuple(sorted(x.axes)) for x in leaves], [x.source for x in leaves]
-  from skewadam_jax import _tiered  # noqa: PLC0415 -- _tiered imports nothing of ours back
-  paths = [p for p, _ in _tree.flatten_with_paths(params)[0]]
   with labels_in_use(params, labels):
-    got = _tiered.leaf_batch_axes(batch_axes, params, paths)
-  shapes = [_labels._shape(x) for x in jax.tree_util.tree_leaves(params)]  # noqa: SLF001
+    got = _paths.leaf_batch_axes(batch_axes, params)
+  shapes = [_tree.leaf_shape(x) for x in jax.tree_util.tree_leaves(params)]
   out = []
   for axes, shape in zip(got, shapes):
     out.append(_second_moment.default_batch_axes(len(shape)) if axes is None else

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from skewadam_jax import _tree
+from skewadam_jax import _paths
 
 # Field names of the optimizer states that mark where a parameter's path starts.
 STATE_FIELDS = ('count', 'mu', 'nu', 'v', 'v_row', 'v_col')
@@ -90,7 +90,7 @@ def _leaves(tree: Any) -> dict[tuple[str, ...], _Leaf]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array_like)
   out = {}
   for path, leaf in flat:
-    segments = _tree.path_segments(path)
+    segments = _paths.path_segments(path)
     if _is_array_like(leaf):
       out[segments] = _Leaf(segments, tuple(int(n) for n in leaf.shape), _dtype(leaf.dtype))
     else:  # a Python scalar or string saved as is

@@ -37,7 +37,8 @@ from jax.sharding import PartitionSpec
 
 from skewadam_jax import _checks
 from skewadam_jax import _exact
-from skewadam_jax import _metadata
+from skewadam_jax import _flax
+from skewadam_jax import _paths
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 from skewadam_jax import _xla
@@ -446,7 +447,7 @@ def scale_by_grouped_second_moment(
   estimator = Grouped(group_size, axis)
 
   def init_fn(params):
-    leaves, treedef = _tree.flatten_with_paths(params)
+    leaves, treedef = _paths.flatten_with_paths(params)
     mus, nus = [], []
     for path, p in leaves:
       p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
@@ -455,15 +456,15 @@ def scale_by_grouped_second_moment(
       nus.append(estimator.init(p, path, dtype=nu_dtype or p.dtype)['v'])
       _second_moment.record_leaf(path, estimator, tuple(p.shape), mus[-1], {'v': nus[-1]})
     # Flax boxes of `nu` name the axes it keeps (pooling keeps them all: the param's).
-    nu = _metadata.rename_boxes(
-        params, treedef.unflatten(nus), lambda path, shape, names: _metadata.spec_names(
+    nu = _flax.rename_boxes(
+        params, treedef.unflatten(nus), lambda path, shape, names: _flax.spec_names(
             estimator.specs(names, shape, None, path)['v']))
     return GroupedSecondMomentState(
         count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mus), nu=nu)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args  # unused; accepted so that the transform chains like optax's
-    leaves, treedef = _tree.flatten_with_paths(updates)
+    leaves, treedef = _paths.flatten_with_paths(updates)
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
     count = optax.safe_increment(state.count)

@@ -24,12 +24,10 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Optional
 
-import jax
-
 from skewadam_jax import _axes
 from skewadam_jax import _labels
+from skewadam_jax import _paths
 from skewadam_jax import _second_moment
-from skewadam_jax import _tree
 
 HIDDEN_TIER = 'hidden'
 # Path segments (case-insensitive globs) that name an embedding or an output head.
@@ -64,18 +62,16 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
     {'embed': 'backbone', 'mlp': 'hidden', 'norm': 'backbone', 'out': 'backbone'}
   """
   labels = _labels.resolve_labels(params, param_labels)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves, treedef = _paths.leaves_of(params)
   flat_labels = treedef.flatten_up_to(labels)
   axes = treedef.flatten_up_to(_axes.moe_batch_axes(params, labels))
-  segs = [_tree.path_segments(path) for path, _ in flat]
-  shapes = [_labels._shape(x) for _, x in flat]  # noqa: SLF001 - boxes and arrays alike
-  vocab = _vocab_size([s for s, seg in zip(shapes, segs) if _named_embedding(seg)])
+  vocab = _vocab_size([x.shape for x in leaves if _named_embedding(x.segs)])
   out = []
-  for seg, shape, label, ax in zip(segs, shapes, flat_labels, axes):
-    matrix = _second_moment.matrix_axes(len(shape), tuple(ax))
+  for leaf, label, ax in zip(leaves, flat_labels, axes):
+    matrix = _second_moment.matrix_axes(len(leaf.shape), tuple(ax))
     hidden = (label == _labels.DEFAULT_TIER and len(matrix) >= 2
-              and not _named_embedding(seg)
-              and (vocab is None or vocab not in [shape[a] for a in matrix]))
+              and not _named_embedding(leaf.segs)
+              and (vocab is None or vocab not in [leaf.shape[a] for a in matrix]))
     out.append(HIDDEN_TIER if hidden else label)
   return treedef.unflatten(out)
 

@@ -31,18 +31,16 @@ reported (a warning, or a `ValueError` when `strict`).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import functools
 import re
 import warnings
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import jax
-import numpy as np
 
 from skewadam_jax import _checks
+from skewadam_jax import _flax
+from skewadam_jax import _paths
 from skewadam_jax import _stacks
-from skewadam_jax import _tree
 
 Rule = tuple[str, str]  # (pattern, tier): pattern is '/'-separated segment globs.
 
@@ -97,7 +95,6 @@ DEFAULT_TIER = 'backbone'
 # Logical / mesh axis names that mark an expert axis (MaxText 'exp', Linen boxes).
 EXPERT_AXIS_NAMES = frozenset({'exp', 'expert', 'experts', 'num_experts', 'routed_experts'})
 
-_SHARED = re.compile(r'shared[_-]?(expert|mlp|ffn|ffw|feed|dense|moe)')
 _NUMBERED_EXPERT = re.compile(r'^(?P<stem>.*?experts?)[_-]?(?P<idx>\d+)$')
 _NOT_KERNEL = _stacks.NOT_KERNEL  # router leaves that do not carry the expert count
 
@@ -106,181 +103,53 @@ class UnsureLabelWarning(UserWarning):
   """Some leaves' tiers are guesses: add rules (`make_labeler`) or pass `strict=True`."""
 
 
-def _is_shared(segment: str) -> bool:
-  """Whether a (lowercase) segment names a shared expert / shared dense branch."""
-  return segment == 'shared' or bool(_SHARED.search(segment))
+# ---------------------------------------------------------------------------- rules
 
 
-# ---------------------------------------------------------------------------- matching
-
-
-@functools.lru_cache(maxsize=1024)
-def _compile(pattern: str) -> tuple[Any, ...]:
-  """A pattern's segments: `**` kept, every other glob compiled (case-insensitive)."""
-  return tuple('**' if s == '**' else re.compile(fnmatch.translate(s.lower()))
-               for s in pattern.strip('/').split('/'))
-
-
-def _match_end(pat: Sequence[Any], segs: Sequence[str], i: int) -> Optional[int]:
-  """End index of a match of `pat` starting at `segs[i]`, or None.
-
-  `**` spans any number of segments except a shared-expert one, so that an expert rule
-  such as `*moe*/**/wi_0` never reaches into `moe_block/shared_experts/wi_0`.
-  """
-  if not pat:
-    return i
-  head, rest = pat[0], pat[1:]
-  if head == '**':
-    j = i
-    while True:
-      end = _match_end(rest, segs, j)
-      if end is not None:
-        return end
-      if j >= len(segs) or _is_shared(segs[j]):
-        return None
-      j += 1
-  if i < len(segs) and head.match(segs[i]):
-    return _match_end(rest, segs, i + 1)
-  return None
-
-
-def _match_span(pat: Sequence[Any], segs: Sequence[str]) -> Optional[tuple[int, int]]:
-  """(start, end) of the first match of `pat` on a contiguous run of `segs`."""
-  for start in range(len(segs)):
-    end = _match_end(pat, segs, start)
-    if end is not None and end > start:
-      return start, end
-  return None
-
-
-def _lower(path: Union[str, Sequence[str]]) -> tuple[str, ...]:
-  return tuple(s.lower() for s in (path.split('/') if isinstance(path, str) else path))
-
-
-def match_path(pattern: str, path: Union[str, Sequence[str]]) -> bool:
-  """Whether `pattern` matches a contiguous run of whole segments of `path`.
-
-  Matching is case-insensitive; each pattern segment is a glob (`*`, `?`, `[..]`) and
-  `**` matches any number of segments (but never a shared-expert segment). `'experts'`
-  matches `moe/experts/w1` but not `shared_experts/w1`; `'gate'` matches
-  `moe/gate/kernel` but not `mlp/gate_proj`.
-  """
-  return _match_span(_compile(pattern), _lower(path)) is not None
-
-
-def _check_rules(rules: Iterable[Rule]) -> tuple[Rule, ...]:
-  rules = tuple(rules)
-  for rule in rules:
-    if (not isinstance(rule, tuple) or len(rule) != 2
-        or not all(isinstance(x, str) for x in rule)):
-      raise TypeError('`rules` must be a sequence of (pattern, tier) string pairs, got '
-                      f'{rule!r}.')
-  return rules
+def _check_rules(rules: Optional[Iterable[Rule]]) -> tuple[Rule, ...]:
+  return _paths.check_rules(rules, lambda tier: isinstance(tier, str),
+                            '`rules` must be a sequence of (pattern, tier) string pairs')
 
 
 def label_for_path(path: str, rules: Sequence[Rule] = DEFAULT_RULES,
                    default: str = DEFAULT_TIER) -> str:
   """The tier of one normalised path by name alone: the first matching rule's, else
   `default` (no structure: use `make_labeler` for whole trees)."""
-  segs = _lower(path)
-  for pattern, tier in rules:
-    if _match_span(_compile(pattern), segs) is not None:
-      return tier
-  return default
+  found = _paths.first_match(_paths.compile_rules(rules), _paths.lower_segments(path))
+  return default if found is None else found[1]
 
 
 # ---------------------------------------------------------------------------- leaves
 
 
-@dataclasses.dataclass
-class _Leaf:
-  """What the labeler knows and decides about one leaf."""
-  path: str
-  segs: tuple[str, ...]  # lowercase normalised segments
-  shape: tuple[int, ...]
-  names: Optional[tuple[Any, ...]]  # logical axis names, as attached (or None)
-  tier: Optional[str] = None
-  source: str = ''  # 'rule' | 'numbered' | 'default rule' | 'axis names' | ...
-  why: str = ''
-  unit: tuple[str, ...] = ()  # the matched module (router / expert bank) it belongs to
-  count: Optional[int] = None  # expert count, where structure knows it
-  note: str = ''
-  is_array: bool = True  # False: a static field (a function, an int), not a parameter
-  scan: set[int] = dataclasses.field(default_factory=set)  # scanned (layer) axes
-
-  @property
-  def core(self) -> tuple[int, ...]:
-    """The shape of one layer's leaf: `shape` without its scanned axes."""
-    return _stacks.core_shape(self.shape, self.scan)
-
-  @property
-  def named_expert_axis(self) -> Optional[int]:
-    """Index of an axis whose name marks experts (only for well-formed names)."""
-    if self.names is None or len(self.names) != len(self.shape):
-      return None
-    for i, entry in enumerate(self.names):
-      entries = entry if isinstance(entry, (tuple, list)) else (entry,)
-      if any(isinstance(e, str) and e.lower() in EXPERT_AXIS_NAMES for e in entries):
-        return i
+def _named_expert_axis(leaf: _paths.Leaf) -> Optional[int]:
+  """Index of an axis whose name marks experts (only for well-formed names)."""
+  if not leaf.names_well_formed:
     return None
-
-  @property
-  def names_well_formed(self) -> bool:
-    return self.names is not None and len(self.names) == len(self.shape)
-
-
-def _is_array(x: Any) -> bool:
-  """Whether a leaf is an array (or tracer, `ShapeDtypeStruct`, Flax box of one), or a
-  Python/NumPy number that optax would treat as a 0-d array; not a function or string."""
-  return hasattr(x, 'shape') and hasattr(x, 'dtype') or isinstance(x, (int, float, complex))
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-  shape = getattr(x, 'shape', None)
-  if shape is None:
-    try:
-      shape = np.shape(x)
-    except Exception:  # noqa: BLE001 -- not array-like: no shape to use
-      shape = ()
-  return tuple(int(d) for d in shape)
-
-
-def _axis_names_by_path(params: Any) -> dict[tuple[str, ...], tuple[Any, ...]]:
-  """Normalised path -> axis names, for every Flax box in `params` that has them."""
-  types = _tree.box_types()
-  if not types:
-    return {}
-  boxes, _ = jax.tree_util.tree_flatten_with_path(
-      params, is_leaf=lambda x: isinstance(x, types))
-  out = {}
-  for path, box in boxes:
-    if isinstance(box, types):
-      names = _tree.box_names(box)
-      if names is not None:
-        out[_tree.path_segments(path)] = names
-  return out
+  for i, entry in enumerate(leaf.names):
+    entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+    if any(isinstance(e, str) and e.lower() in EXPERT_AXIS_NAMES for e in entries):
+      return i
+  return None
 
 
 # ---------------------------------------------------------------------------- deciding
 
 
-def _apply_rules(leaves: list[_Leaf], rules: Sequence[tuple[tuple[Any, ...], str, str]],
+def _apply_rules(leaves: list[_paths.Leaf], rules: Sequence[_paths.CompiledRule],
                  source: str) -> None:
   """Gives every undecided leaf the tier of the first rule that matches its path."""
   for leaf in leaves:
-    if leaf.tier is not None:
-      continue
-    for pat, tier, text in rules:
-      span = _match_span(pat, leaf.segs)
-      if span is not None:
-        leaf.tier, leaf.source, leaf.why = tier, source, f'rule {text!r}'
-        leaf.unit = leaf.segs[:span[1]]
-        break
+    found = None if leaf.tier is not None else _paths.first_match(rules, leaf.segs)
+    if found is not None:
+      span, tier, text = found
+      leaf.tier, leaf.source, leaf.why = tier, source, f'rule {text!r}'
+      leaf.unit = leaf.segs[:span[1]]
 
 
-def _numbered_experts(leaves: list[_Leaf]) -> None:
+def _numbered_experts(leaves: list[_paths.Leaf]) -> None:
   """Sibling modules `<..expert(s)>_0 .. _{n-1}` (n >= 2), one per expert: experts."""
-  groups: dict[tuple[tuple[str, ...], str], dict[int, list[_Leaf]]] = {}
+  groups: dict[tuple[tuple[str, ...], str], dict[int, list[_paths.Leaf]]] = {}
   for leaf in leaves:
     if leaf.tier is not None:
       continue
@@ -301,17 +170,17 @@ def _numbered_experts(leaves: list[_Leaf]) -> None:
         leaf.unit = leaf.segs[:len(prefix) + 1]
 
 
-def _axis_name_experts(leaves: list[_Leaf]) -> None:
+def _axis_name_experts(leaves: list[_paths.Leaf]) -> None:
   """Undecided leaves whose (well-formed) axis names include an expert axis: experts."""
   for leaf in leaves:
-    axis = leaf.named_expert_axis
+    axis = _named_expert_axis(leaf)
     if leaf.tier is None and axis is not None:
       leaf.tier, leaf.source = 'experts', 'axis names'
       leaf.why = f'axis {axis} is named {leaf.names[axis]!r}'
       leaf.unit = leaf.segs
 
 
-def _router_count(leaf: _Leaf) -> Optional[int]:
+def _router_count(leaf: _paths.Leaf) -> Optional[int]:
   """The expert count E of a router kernel: [d, E] or (transposed) [E, d], read after
   the scanned axes are removed (a stacked router [R, d, E] or [d, L, E] is [d, E])."""
   core = leaf.core
@@ -320,13 +189,9 @@ def _router_count(leaf: _Leaf) -> Optional[int]:
   return min(core[0], core[-1])  # E < d in every MoE
 
 
-def _stacks_and_banks(leaves: list[_Leaf], label: bool) -> _stacks.Structure:
+def _stacks_and_banks(leaves: list[_paths.Leaf], label: bool) -> _stacks.Structure:
   """Scanned axes of every leaf; with `label`, name-free banks and their routers."""
-  found = _stacks.analyse([x.path for x in leaves], [x.segs for x in leaves],
-                          [x.shape if x.is_array else None for x in leaves],
-                          [x.tier for x in leaves], [x.tier is not None for x in leaves])
-  for leaf, scan in zip(leaves, found.scan):
-    leaf.scan = scan
+  found = _stacks.scan_leaves(leaves, [x.tier is not None for x in leaves])
   if not label:
     return found
   for group in found.groups:
@@ -359,14 +224,12 @@ def _stacks_and_banks(leaves: list[_Leaf], label: bool) -> _stacks.Structure:
   return found
 
 
-def _structure(leaves: list[_Leaf], use_axis_names: bool) -> None:
+def _structure(leaves: list[_paths.Leaf], use_axis_names: bool) -> None:
   """Experts beside a router, and a router beside a bank, within one MoE block."""
-  children: dict[tuple[str, ...], list[_Leaf]] = {}
-  for leaf in leaves:
-    for n in range(1, len(leaf.segs)):
-      children.setdefault(leaf.segs[:n], []).append(leaf)
+  children = {prefix: [leaves[i] for i in members]
+              for prefix, members in _paths.subtrees([x.segs for x in leaves]).items()}
 
-  def free(leaf: _Leaf) -> bool:
+  def free(leaf: _paths.Leaf) -> bool:
     # Axis names that are well formed and name no expert axis rule an expert out.
     return leaf.tier is None and not (use_axis_names and leaf.names_well_formed)
 
@@ -383,7 +246,7 @@ def _structure(leaves: list[_Leaf], use_axis_names: bool) -> None:
                     f'expert count of router {router.path}')
 
   # A kernel [..., E] beside a bank of E experts (in a block with no router): router.
-  banks: dict[tuple[str, ...], dict[tuple[str, ...], list[_Leaf]]] = {}
+  banks: dict[tuple[str, ...], dict[tuple[str, ...], list[_paths.Leaf]]] = {}
   for leaf in leaves:
     if leaf.tier == 'experts' and len(leaf.unit) > 1:
       banks.setdefault(leaf.unit[:-1], {}).setdefault(leaf.unit, []).append(leaf)
@@ -415,7 +278,7 @@ def _structure(leaves: list[_Leaf], use_axis_names: bool) -> None:
           leaf.why = f'beside router kernel {router.path}'
 
 
-def _bank_count(members: list[_Leaf], unit: tuple[str, ...]) -> Optional[int]:
+def _bank_count(members: list[_paths.Leaf], unit: tuple[str, ...]) -> Optional[int]:
   """E of an expert bank: its numbered modules' count, else its common leading axis."""
   if members[0].count is not None:
     return members[0].count
@@ -433,7 +296,7 @@ def _rule_hint(path: str, tier: str) -> str:
   return f"sj.make_labeler([({path!r}, {tier!r})])"
 
 
-def _issues(leaves: list[_Leaf], use_axis_names: bool,
+def _issues(leaves: list[_paths.Leaf], use_axis_names: bool,
             found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
   lines = []
@@ -453,7 +316,7 @@ def _issues(leaves: list[_Leaf], use_axis_names: bool,
       lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
                    f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
-    axis = leaf.named_expert_axis
+    axis = _named_expert_axis(leaf)
     if axis is not None and leaf.tier not in ('experts', 'router') and leaf.source != 'rule':
       reason = f'axis {axis} is named {leaf.names[axis]!r} but the leaf is {leaf.tier!r}'
       leaf.note = f'UNSURE: {reason}'
@@ -509,9 +372,9 @@ class Labeler:
     self.default = default
     self.use_default_rules = use_default_rules
     self.strict = strict
-    self._user = [(_compile(p), t, p) for p, t in self.rules]
-    self._default_rules = [(_compile(p), t, p) for p, t in DEFAULT_RULES]
-    self._dense_rules = [(_compile(p), t, p) for p, t in DENSE_RULES]
+    self._user = _paths.compile_rules(self.rules)
+    self._default_rules = _paths.compile_rules(DEFAULT_RULES)
+    self._dense_rules = _paths.compile_rules(DENSE_RULES)
 
   def __repr__(self) -> str:
     return (f'Labeler(rules={list(self.rules)!r}, default={self.default!r}, '
@@ -530,14 +393,8 @@ class Labeler:
     return treedef.unflatten([x.tier for x in leaves]), notes
 
   def _decide(self, params: Any, use_axis_names: bool
-              ) -> tuple[list[_Leaf], Any, _stacks.Structure]:
-    names = _axis_names_by_path(params)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    leaves = []
-    for path, x in flat:
-      segs = _tree.path_segments(path)
-      leaves.append(_Leaf(path='/'.join(segs) or '<root>', segs=_lower(segs),
-                          shape=_shape(x), names=names.get(segs), is_array=_is_array(x)))
+              ) -> tuple[list[_paths.Leaf], Any, _stacks.Structure]:
+    leaves, treedef = _paths.leaves_of(params, _flax.axis_names_by_path(params))
     for leaf in leaves:
       if not leaf.is_array:  # a static field: no parameter, no state
         leaf.tier, leaf.source, leaf.why = self.default, 'static', 'not an array'
@@ -575,7 +432,7 @@ def make_labeler(rules: Optional[Iterable[Rule]] = None, *, default: str = DEFAU
   Returns:
     A callable mapping a pytree to a same-structure pytree of tier names.
   """
-  return Labeler(_check_rules(rules or ()), default, use_default_rules, strict)
+  return Labeler(_check_rules(rules), default, use_default_rules, strict)
 
 
 def moe_param_labels(params: Any, rules: Optional[Iterable[Rule]] = None, *,
@@ -639,57 +496,22 @@ class LeafReport:
 # ---------------------------------------------------------------------------- label trees
 
 
-def _mismatch(detail: str) -> ValueError:
-  return ValueError(
-      '`param_labels` must be a pytree with the same structure as the params (or a '
-      'prefix of it, or a function returning one); got a label tree that does not '
-      f'match the params: {detail}')
-
-
 def broadcast_labels(params: Any, labels: Any) -> Any:
-  """`labels` (the params' structure, a prefix of it, or the same paths) on every leaf.
+  """`labels` (the params' structure, a prefix of it, the same paths, or a function of
+  the params returning one) on every leaf, matched as `_paths.per_leaf` matches.
 
   Matching by structure first, then by normalised path: a label tree computed once from
   an `nnx.State` (whose leaves are variables) also labels the pure arrays of `update`.
   """
-  try:
-    return jax.tree_util.tree_map(
-        lambda label, sub: jax.tree_util.tree_map(lambda _: label, sub), labels, params)
-  except (ValueError, TypeError) as e:
-    error = str(e)
-  table: dict[tuple[str, ...], Any] = {}
-  for path, label in jax.tree_util.tree_flatten_with_path(labels)[0]:
-    table[_tree.path_segments(path)] = label
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  out, used = [], set()
-  for path, _ in flat:
-    segs = _tree.path_segments(path)
-    for n in range(len(segs), -1, -1):
-      if segs[:n] in table:
-        out.append(table[segs[:n]])
-        used.add(segs[:n])
-        break
-    else:
-      raise _mismatch(f"no label for {'/'.join(segs) or '<root>'}; by structure: {error}"
-                      ) from None
-  unused = [k for k in table if k not in used]
-  if unused:
-    raise _mismatch(f"labels for paths the params do not have: "
-                    f"{['/'.join(k) for k in unused[:5]]}; by structure: {error}") from None
-  return treedef.unflatten(out)
+  treedef = jax.tree_util.tree_structure(params)
+  return treedef.unflatten(_paths.per_leaf(params, labels, 'param_labels', what='tier names'))
 
 
 def resolve_labels(params: Any, param_labels: Any = None) -> Any:
   """Full label tree for `params`: from a callable, an explicit label tree, or the
   default labeler (which, unlike `moe_param_labels(use_axis_names=True)`, sees no
   axis names, so `init` and `update` agree)."""
-  if param_labels is None:
-    labels = _DEFAULT_LABELER(params)
-  elif _tree.is_function(param_labels):  # not a callable tree (an Equinox module)
-    labels = param_labels(params)
-  else:
-    labels = param_labels
-  return broadcast_labels(params, labels)
+  return broadcast_labels(params, _DEFAULT_LABELER if param_labels is None else param_labels)
 
 
 def labels_and_notes(params: Any, param_labels: Any = None) -> tuple[Any, list[str]]:

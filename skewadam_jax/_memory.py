@@ -16,9 +16,10 @@ import optax
 
 from skewadam_jax import _axes
 from skewadam_jax import _checks
+from skewadam_jax import _flax
 from skewadam_jax import _hidden
 from skewadam_jax import _labels
-from skewadam_jax import _metadata
+from skewadam_jax import _paths
 from skewadam_jax import _tiered
 from skewadam_jax import _tree
 
@@ -101,9 +102,9 @@ def state_bytes_by_label(state: Any, params: Any, labels: Any) -> dict[str, int]
   flat_labels = params_def.flatten_up_to(labels)
   # Boxes of reduced statistics name other axes than their parameter's (their metadata
   # is part of the treedef), so both are compared unboxed.
-  params_def = jax.tree_util.tree_structure(_metadata.unbox(params))
+  params_def = jax.tree_util.tree_structure(_flax.unbox(params))
   totals: dict[str, int] = {}
-  _attribute(_metadata.unbox(state), params_def, flat_labels, totals)
+  _attribute(_flax.unbox(state), params_def, flat_labels, totals)
   return totals
 
 
@@ -203,7 +204,7 @@ def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
   if param_labels is None and _hidden.HIDDEN_TIER in tiers:
     labels = _hidden.hidden_param_labels(params, labels)
   labels = _labels.expand_labels(params, labels, tiers)
-  leaves, treedef = _tree.flatten_with_paths(params)
+  leaves, treedef = _paths.flatten_with_paths(params)
   axes, _ = _axes.batch_axes_and_notes(params, labels, batch_axes)
   rows = []
   for (path, p), label, note, ax in zip(leaves, treedef.flatten_up_to(labels), notes, axes):

@@ -37,7 +37,7 @@ from jax.sharding import Sharding
 
 from skewadam_jax import _checks
 from skewadam_jax import _second_moment
-from skewadam_jax import _tree
+from skewadam_jax import _paths
 
 Spec = tuple[Any, ...]  # one PartitionSpec entry per dimension
 
@@ -117,7 +117,7 @@ class _Mapper:
   """Walks an abstract state, giving every array leaf its PartitionSpec."""
 
   def __init__(self, params: Any, specs: list[Any], mesh: Optional[Mesh]):
-    leaves, self.params_def = _tree.flatten_with_paths(params)
+    leaves, self.params_def = _paths.flatten_with_paths(params)
     self.paths = [path for path, _ in leaves]
     self.shapes = [tuple(p.shape) for _, p in leaves]
     self.specs = specs
@@ -179,7 +179,7 @@ def _flat_param_specs(params: Any, param_shardings: Any
   if len(meshes) > 1:
     raise ValueError('`param_shardings` use more than one mesh.')
   specs, others = [], []
-  for (path, _), s in zip(_tree.flatten_with_paths(params)[0], flat):
+  for (path, _), s in zip(_paths.flatten_with_paths(params)[0], flat):
     if isinstance(s, NamedSharding):
       specs.append(s.spec)
     elif s is None or isinstance(s, PartitionSpec):
@@ -301,7 +301,7 @@ def state_shardings(
   replicated = _replicated_sharding(others, specs, mesh)
   abstract, recorded = _traced_init(tx, params)
   spec_of = {path: (spec, p.shape) for (path, p), spec in
-             zip(_tree.flatten_with_paths(params)[0], specs)}
+             zip(_paths.flatten_with_paths(params)[0], specs)}
   leaves, treedef = jax.tree.flatten(abstract)
   for i, entry in enumerate(recorded):
     if entry is not None and entry[0] in spec_of:

@@ -42,6 +42,8 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
+from skewadam_jax import _paths
+
 # Modules that hold scanned (stacked) layers when they are not followed by an index.
 SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
 # Router leaves that do not carry the expert count on a kernel axis.
@@ -71,16 +73,6 @@ class Structure:
   confusions: list[tuple[str, list[int]]]
 
 
-def core_axes(shape: Sequence[int], scan: set[int]) -> list[int]:
-  """Positions of `shape` that no scan explains, in order."""
-  return [p for p in range(len(shape)) if p not in scan]
-
-
-def core_shape(shape: Sequence[int], scan: set[int]) -> tuple[int, ...]:
-  """`shape` without its scanned axes: the shape of one layer's leaf."""
-  return tuple(shape[p] for p in core_axes(shape, scan))
-
-
 def router_count(core: Sequence[int], torch_layout: bool, dims: set[int]
                  ) -> Optional[int]:
   """E if a kernel of core shape `core` maps an axis in `dims` to E outputs, else None."""
@@ -88,15 +80,6 @@ def router_count(core: Sequence[int], torch_layout: bool, dims: set[int]
     return None
   count, other = (core[0], core[1]) if torch_layout else (core[1], core[0])
   return count if other in dims and other != count else None
-
-
-def _nodes(segs: Sequence[tuple[str, ...]]) -> dict[tuple[str, ...], list[int]]:
-  """Every module prefix (not the root, not a leaf itself) -> indices of its leaves."""
-  nodes: dict[tuple[str, ...], list[int]] = {}
-  for i, s in enumerate(segs):
-    for n in range(1, len(s)):
-      nodes.setdefault(s[:n], []).append(i)
-  return nodes
 
 
 def _named(prefix: tuple[str, ...], segs: Sequence[tuple[str, ...]], members: list[int]
@@ -128,7 +111,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
   groups: list[Group] = []
   ambiguous: list[str] = []
   confusions: list[tuple[str, list[int]]] = []
-  nodes = _nodes(segs)
+  nodes = _paths.subtrees(segs)
   seen: set[tuple[int, ...]] = set()
   arrays = [i for i, s in enumerate(shapes) if s is not None]
   for prefix in sorted(nodes, key=len):  # outer modules first
@@ -186,7 +169,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
           prefix[:-1], n, dims, outside, segs, shapes, scan, tiers, decided_by_name)
       if routers:
         readings.append((p, 'bank', routers))
-      elif not any(n in _core(shapes[i], scan[i]) for i in outside):
+      elif not any(n in _paths.core_shape(shapes[i], scan[i]) for i in outside):
         # A length nothing else has: a stack's; in one module, perhaps a bank's too.
         readings.append((p, 'stack' if modules >= 2 else 'lone', []))
     if readings and all(kind == 'lone' for _, kind, _ in readings):
@@ -225,6 +208,16 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
   return Structure(scan, groups, ambiguous, confusions)
 
 
+def scan_leaves(leaves: list[_paths.Leaf], decided_by_name: Sequence[bool]) -> Structure:
+  """`analyse` on leaf records: sets each leaf's `scan` and returns the `Structure`."""
+  found = analyse([x.path for x in leaves], [x.segs for x in leaves],
+                  [x.shape if x.is_array else None for x in leaves],
+                  [x.tier for x in leaves], decided_by_name)
+  for leaf, scan in zip(leaves, found.scan):
+    leaf.scan = scan
+  return found
+
+
 def _sibling_banks(groups: list[Group], segs: Sequence[tuple[str, ...]],
                    shapes: Sequence[Optional[tuple[int, ...]]], scan: list[set[int]],
                    tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]) -> None:
@@ -241,22 +234,22 @@ def _sibling_banks(groups: list[Group], segs: Sequence[tuple[str, ...]],
   for module, children in modules.items():
     by_length: dict[int, list[int]] = {}
     for i in children:
-      free = core_axes(shapes[i], scan[i])
+      free = _paths.core_axes(shapes[i], scan[i])
       if len(free) >= 2 and not (decided_by_name[i] and tiers[i] != 'experts'):
         by_length.setdefault(shapes[i][free[0]], []).append(i)
     for n, members in by_length.items():
-      if n < 2 or all(len(core_axes(shapes[i], scan[i])) < 3 for i in members):
+      if n < 2 or all(len(_paths.core_axes(shapes[i], scan[i])) < 3 for i in members):
         continue
       if all(tiers[i] == 'experts' for i in members):
         continue  # a bank by its names: the name-based structure reads it
-      dims = {shapes[i][q] for i in members for q in core_axes(shapes[i], scan[i])[1:]}
+      dims = {shapes[i][q] for i in members for q in _paths.core_axes(shapes[i], scan[i])[1:]}
       inside = set(members)
       outside = [i for i in arrays if i not in inside]
       near = [i for i in outside if len(segs[i]) <= len(module) + 2]  # `sel/kernel` too
       routers = _router_candidates(module, n, dims, near, segs, shapes, scan, tiers,
                                    decided_by_name)
       if routers:
-        axis = core_axes(shapes[members[0]], scan[members[0]])[0]
+        axis = _paths.core_axes(shapes[members[0]], scan[members[0]])[0]
         groups.append(Group(module, members, axis, n, 'bank', False, routers))
 
 
@@ -277,10 +270,6 @@ def _lone_finding(prefix: tuple[str, ...], members: list[int],
 def _vector(segs: tuple[str, ...]) -> bool:
   """Whether a leaf is named like a vector (a scale or a bias), not a kernel."""
   return any(s in segs[-1] for s in NOT_KERNEL)
-
-
-def _core(shape: tuple[int, ...], scan: set[int]) -> tuple[int, ...]:
-  return core_shape(shape, scan)
 
 
 def _stack(groups: list[Group], scan: list[set[int]], prefix: tuple[str, ...],
@@ -306,7 +295,7 @@ def _router_candidates(area: tuple[str, ...], n: int, dims: set[int], outside: l
       continue
     if tiers[i] not in (None, 'router'):
       continue
-    core = _core(shapes[i], scan[i])
+    core = _paths.core_shape(shapes[i], scan[i])
     if router_count(core, segs[i][-1] == 'weight', dims) == n:
       out.append(i)
   return out

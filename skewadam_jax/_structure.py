@@ -44,6 +44,7 @@ import jax
 from jax.extend import core as jex_core
 import numpy as np
 
+from skewadam_jax import _paths
 from skewadam_jax import _tree
 
 BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
@@ -660,11 +661,6 @@ class _Analysis:
 # ---------------------------------------------------------------------------- the API
 
 
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) or (
-      hasattr(x, 'shape') and hasattr(x, 'dtype') and not isinstance(x, type))
-
-
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
   if isinstance(x, jax.ShapeDtypeStruct):
     return x
@@ -729,16 +725,16 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
     raise TypeError(f'`fn` must be the model\'s forward or loss function, got '
                     f'{type(fn).__name__}.')
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  is_param = [_is_array(x) for _, x in flat]
+  is_param = [_tree.is_array_like(x) for _, x in flat]
   if not any(is_param):
     raise TypeError('`params` must be a pytree with array (or jax.ShapeDtypeStruct) '
                     f'leaves, got {type(params).__name__} with none.')
   leaves = [x for _, x in flat]
   pidx = [i for i, ok in enumerate(is_param) if ok]
-  paths = [_tree.path_str(flat[i][0]) for i in pidx]
+  paths = [_paths.path_str(flat[i][0]) for i in pidx]
   shapes = [tuple(int(d) for d in np.shape(leaves[i])) for i in pidx]
   arg_flat, arg_def = jax.tree_util.tree_flatten((args, kwargs))
-  aidx = [i for i, x in enumerate(arg_flat) if _is_array(x)]
+  aidx = [i for i, x in enumerate(arg_flat) if _tree.is_array_like(x)]
 
   def traced(*arrays: Any) -> Any:
     merged = list(leaves)

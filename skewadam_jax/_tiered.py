@@ -28,9 +28,10 @@ import optax
 from skewadam_jax import _checks
 from skewadam_jax import _exact
 from skewadam_jax import _factored
+from skewadam_jax import _flax
 from skewadam_jax import _grouped
-from skewadam_jax import _metadata
 from skewadam_jax import _orthogonal
+from skewadam_jax import _paths
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 
@@ -284,7 +285,7 @@ def check_grads(tier: Tier, leaves: list[tuple[str, Any]], treedef: Any, updates
   params_leaves = None
   if params is not None:
     try:
-      params_leaves = _metadata.flatten_like(treedef, updates, params)
+      params_leaves = _flax.flatten_like(treedef, updates, params)
     except (ValueError, TypeError):  # not the updates' structure: checked by the state
       pass
   out = []
@@ -306,39 +307,6 @@ def check_grads(tier: Tier, leaves: list[tuple[str, Any]], treedef: Any, updates
     _checks.check_grad_fits_stats(path, shape, present, expected)
     out.append((path, g))
   return out
-
-
-def _is_axes(x: Any) -> bool:
-  return x is None or (isinstance(x, (tuple, list)) and all(
-      isinstance(a, int) and not isinstance(a, bool) for a in x))
-
-
-def leaf_batch_axes(batch_axes: Any, tree: Any, paths: list[str]) -> list[Any]:
-  """Each leaf's batch axes (None: the default) from `batch_axes` for `tree`.
-
-  `batch_axes` is None, a tree of axis tuples matching `tree` by structure or by
-  normalised path (so a tree computed once from an `nnx.State` also fits the pure
-  arrays of `update`), or a function of `tree` returning one.
-  """
-  if batch_axes is None:
-    return [None] * len(paths)
-  if _tree.is_function(batch_axes):  # not a callable tree (an Equinox module)
-    batch_axes = batch_axes(tree)
-  flat, _ = jax.tree_util.tree_flatten_with_path(batch_axes, is_leaf=_is_axes)
-  table = {}
-  for key_path, axes in flat:
-    if not _is_axes(axes):
-      raise TypeError(f'`batch_axes` must be a tree of int tuples (or None), got '
-                      f'{axes!r} at {_tree.path_str(key_path)}.')
-    table[_tree.path_str(key_path)] = None if axes is None else tuple(axes)
-  if len(flat) == 1 and not flat[0][0] and len(paths) != 1:  # one tuple for every leaf
-    return [table['<root>']] * len(paths)
-  missing = [p for p in paths if p not in table]
-  if missing:
-    raise ValueError(f'`batch_axes` has no entry for {missing[:5]}: it must be a tree of '
-                     'int tuples with the parameters\' structure (or paths), or a function '
-                     'returning one, e.g. sj.moe_batch_axes.')
-  return [table[p] for p in paths]
 
 
 def scale_by_tiered_adam(
@@ -406,8 +374,8 @@ def scale_by_tiered_adam(
   _checks.check_non_negative('eps', eps)
 
   def init_fn(params):
-    leaves, treedef = _tree.flatten_with_paths(params)
-    axes = leaf_batch_axes(batch_axes, params, [path for path, _ in leaves])
+    leaves, treedef = _paths.flatten_with_paths(params)
+    axes = _paths.leaf_batch_axes(batch_axes, params)
     mus, stats = zip(*[init_leaf(tier, path, p, a) for (path, p), a in zip(leaves, axes)]
                      ) if leaves else ((), ())
     fields = {k: treedef.unflatten([s[k] for s in stats]) for k in _second_moment.STAT_FIELDS}
@@ -423,10 +391,10 @@ def scale_by_tiered_adam(
       def names(path, shape, param_names):
         specs = leaf_estimator(shape, tier, axes_of.get(path), path).specs(
             param_names, shape, None, path)
-        return _metadata.spec_names(specs[field]) if field in specs else None
+        return _flax.spec_names(specs[field]) if field in specs else None
       return names
 
-    return {k: _metadata.rename_boxes(params, v, names_for(k)) for k, v in fields.items()}
+    return {k: _flax.rename_boxes(params, v, names_for(k)) for k, v in fields.items()}
 
   def update_leaf(path, g, mu, stats, count, bc1, bc2, axes):
     # Every full-size array below is either an input, a state output or computed inside
@@ -459,16 +427,16 @@ def scale_by_tiered_adam(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # unused; accepted so that the transform chains like optax's
-    leaves, treedef = _tree.flatten_with_paths(updates)
+    leaves, treedef = _paths.flatten_with_paths(updates)
     mus = treedef.flatten_up_to(state.mu)
     stats = [dict(zip(_second_moment.STAT_FIELDS, s)) for s in zip(*[
-        _metadata.flatten_like(treedef, updates, getattr(state, k))
+        _flax.flatten_like(treedef, updates, getattr(state, k))
         for k in _second_moment.STAT_FIELDS])]
     count = optax.safe_increment(state.count)
     t = count.astype(jnp.float32)
     bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
     bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
-    axes = leaf_batch_axes(batch_axes, updates, [path for path, _ in leaves])
+    axes = _paths.leaf_batch_axes(batch_axes, updates)
     leaves = check_grads(tier, leaves, treedef, updates, params, mus, stats, axes)
     out = [update_leaf(path, g, mu, s, count, bc1, bc2, a)
            for (path, g), mu, s, a in zip(leaves, mus, stats, axes)]

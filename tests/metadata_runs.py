@@ -1,4 +1,4 @@
-"""The Flax sharding route on a real MaxText tree, for tests/test_metadata.py.
+"""The Flax sharding route on a real MaxText tree, for tests/test_flax.py.
 
   python tests/metadata_runs.py OUT   # on 8 simulated CPU devices; writes OUT/metadata.json
 
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import skewadam_jax as sj  # noqa: E402
-from skewadam_jax import _tree  # noqa: E402
+from skewadam_jax import _paths  # noqa: E402
 
 RECORD = ROOT / 'tests' / 'data' / 'real_trees' / 'maxtext_mixtral_scan.json'
 N_STEPS = 3
@@ -106,7 +106,7 @@ def loss_fn(model: Holder) -> jax.Array:
 def _flat(tree: Any) -> dict[str, Any]:
   """Normalised path -> leaf (trailing `value` dropped), Variables looked through."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {_tree.path_str(p): leaf for p, leaf in leaves}
+  return {_paths.path_str(p): leaf for p, leaf in leaves}
 
 
 def _trimmed(spec: Any) -> tuple[Any, ...]:

@@ -23,7 +23,7 @@ from flax import nnx
 import skewadam_jax as sj
 from skewadam_jax import _factored
 from skewadam_jax import _labels
-from skewadam_jax import _tree
+from skewadam_jax import _paths
 from tests.test_real_trees import _abstract
 from tests.test_real_trees import _nest
 from tests.test_real_trees import _record
@@ -33,7 +33,7 @@ FILES = sorted((Path(__file__).resolve().parent / 'data' / 'real_trees').glob('*
 
 def _axes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))
-  return {_tree.path_str(p): v for p, v in flat}
+  return {_paths.path_str(p): v for p, v in flat}
 
 
 def _quietly(fn, *args, **kwargs):
@@ -117,7 +117,7 @@ def test_one_slice_scaled_by_1000_moves_no_other_slice(record):
   tiers, with weight decay, the clip, momentum and the eps floor engaged)."""
   params = _real_tree_arrays(record)
   grads = [_real_tree_arrays(record, seed=s) for s in (1, 2)]
-  paths = [p for p, _ in _tree.flatten_with_paths(params)[0]]
+  paths = [p for p, _ in _paths.flatten_with_paths(params)[0]]
   treedef = jax.tree_util.tree_structure(params)
   by_path = _expected(record)
   batch = [by_path[p] for p in paths]

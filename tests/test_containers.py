@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import skewadam_jax as sj
 from skewadam_jax import _labels
+from skewadam_jax import _paths
 from skewadam_jax import _tree
 
 eqx = pytest.importorskip('equinox')  # in the test extra; absent from the min-versions venv
@@ -217,7 +218,7 @@ def test_every_container_labels_initialises_and_updates(kind):
   else:
     params = {'moe': jax.tree.map(lambda x: nn.Partitioned(x, (None,) * x.ndim), bank)}
   labels = _quiet(sj.moe_param_labels, params)
-  flat = {_tree.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(labels)[0]}
+  flat = {_paths.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(labels)[0]}
   expected = {k: 'experts' if 'experts' in k else 'router' if 'router' in k else 'backbone'
               for k in flat}
   assert flat == expected

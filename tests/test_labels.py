@@ -11,14 +11,14 @@ from flax import nnx
 
 import skewadam_jax as sj
 from skewadam_jax import _labels
-from skewadam_jax import _tree
+from skewadam_jax import _paths
 import moe_models as mm
 
 
 def _labels_by_path(tree):
   labels = sj.moe_param_labels(tree)
   leaves, _ = jax.tree_util.tree_flatten_with_path(labels)
-  return {_tree.path_str(p): label for p, label in leaves}
+  return {_paths.path_str(p): label for p, label in leaves}
 
 
 def test_nnx_model_labels_at_init_and_update_agree():
@@ -51,12 +51,12 @@ def test_known_layouts(tree, expected):
 
 
 def test_whole_segments_only():
-  assert _labels.match_path('gate', 'mlp/gate/kernel')
-  assert not _labels.match_path('gate', 'mlp/gate_proj/kernel')
-  assert not _labels.match_path('experts', 'mlp/shared_experts/w1')
-  assert _labels.match_path('*moe*/**/wo', 'decoder/MoeBlock_0/wo')
-  assert _labels.match_path('*moe*/**/wo', 'decoder/moe/inner/wo')
-  assert not _labels.match_path('*moe*/**/wo', 'decoder/mlp/wo')
+  assert _paths.match_path('gate', 'mlp/gate/kernel')
+  assert not _paths.match_path('gate', 'mlp/gate_proj/kernel')
+  assert not _paths.match_path('experts', 'mlp/shared_experts/w1')
+  assert _paths.match_path('*moe*/**/wo', 'decoder/MoeBlock_0/wo')
+  assert _paths.match_path('*moe*/**/wo', 'decoder/moe/inner/wo')
+  assert not _paths.match_path('*moe*/**/wo', 'decoder/mlp/wo')
   assert _labels.label_for_path('anything/else') == 'backbone'
 
 
@@ -130,14 +130,14 @@ def _quiet_labels(tree, **kwargs):
 
 def _labels_by_path_of(labels):
   leaves, _ = jax.tree_util.tree_flatten_with_path(labels)
-  return {_tree.path_str(p): label for p, label in leaves}
+  return {_paths.path_str(p): label for p, label in leaves}
 
 
 def test_double_star_never_reaches_into_shared_experts():
-  assert not _labels.match_path('*moe*/**/wi_0', 'moe_block/shared_experts/wi_0/kernel')
-  assert not _labels.match_path('*moe*/**/wi_0', 'moe/SharedExpert_0/inner/wi_0')
-  assert _labels.match_path('*moe*/**/wi_0', 'moe_block/MoeBlock_0/wi_0')
-  assert _labels.match_path('moe/shared_experts/wi_0', 'x/moe/shared_experts/wi_0/kernel')
+  assert not _paths.match_path('*moe*/**/wi_0', 'moe_block/shared_experts/wi_0/kernel')
+  assert not _paths.match_path('*moe*/**/wi_0', 'moe/SharedExpert_0/inner/wi_0')
+  assert _paths.match_path('*moe*/**/wi_0', 'moe_block/MoeBlock_0/wi_0')
+  assert _paths.match_path('moe/shared_experts/wi_0', 'x/moe/shared_experts/wi_0/kernel')
 
 
 def test_shared_experts_are_backbone_inside_an_moe_block():

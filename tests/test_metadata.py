@@ -27,8 +27,8 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax import _metadata
-from skewadam_jax import _tree
+from skewadam_jax import _flax
+from skewadam_jax import _paths
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'tests' / 'metadata_runs.py'
@@ -88,7 +88,7 @@ def _boxes(tree: Any) -> dict[str, Any]:
   """Normalised path -> Flax box (NNX Variable or Linen AxisMetadata)."""
   flat, _ = jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: isinstance(x, (nnx.Variable, nn.meta.AxisMetadata)))
-  return {_tree.path_str(p): b for p, b in flat}
+  return {_paths.path_str(p): b for p, b in flat}
 
 
 def _names(box: Any) -> tuple[Any, ...]:
@@ -177,7 +177,7 @@ def test_route_specs_equal_state_shardings(name):
       sj.state_shardings(tx, pure, nnx.as_pure(specs)))
   assert expected
   for path, spec in expected:
-    key = _tree.path_str(path)
+    key = _paths.path_str(path)
     got = route[key].get_value()
     assert _trimmed(got) == _trimmed(spec), key
 
@@ -262,15 +262,15 @@ def test_rename_boxes_leaves_plain_trees_and_unchanged_names_alone():
   params = {'w': jnp.ones((3, 4))}
   field = {'w': jnp.zeros((3,))}
   calls = []
-  out = _metadata.rename_boxes(params, field, lambda *a: calls.append(a))
+  out = _flax.rename_boxes(params, field, lambda *a: calls.append(a))
   assert out['w'] is field['w'] and not calls
   with nnx.use_eager_sharding(False):
     boxed = {'w': nnx.Param(jnp.ones((3, 4)), out_sharding=('a',))}  # padded with None
     stats = {'w': nnx.Param(jnp.zeros((3, 4)), out_sharding=('a',))}
-  out = _metadata.rename_boxes(boxed, stats, lambda *a: calls.append(a))
+  out = _flax.rename_boxes(boxed, stats, lambda *a: calls.append(a))
   assert calls == [('w', (3, 4), ('a', None))]
   assert out['w'] is stats['w']  # None: unchanged
-  out = _metadata.rename_boxes(boxed, stats, lambda path, shape, names: names)
+  out = _flax.rename_boxes(boxed, stats, lambda path, shape, names: names)
   assert out['w'] is stats['w']  # the same names: unchanged
 
 
@@ -281,15 +281,15 @@ def test_rename_boxes_skips_masked_boxes():
     stats = {'w': nnx.Param(optax.MaskedNode(), out_sharding=('a', 'b')),
              'm': nnx.Param(optax.MaskedNode(), out_sharding=('a', 'b'))}
   calls = []
-  out = _metadata.rename_boxes(boxed, stats, lambda *a: calls.append(a) or ('a',))
+  out = _flax.rename_boxes(boxed, stats, lambda *a: calls.append(a) or ('a',))
   assert not calls
   assert out['w'] is stats['w'] and out['m'] is stats['m']
 
 
 def test_spec_names_of_a_pytree_of_specs():
-  assert _metadata.spec_names(P('a', None)) == ('a', None)
-  assert _metadata.spec_names({'x': P('a'), 'y': P('a')}) == ('a',)
-  assert _metadata.spec_names({'x': P('a'), 'y': P('a', 'b')}) == ()  # replicated
+  assert _flax.spec_names(P('a', None)) == ('a', None)
+  assert _flax.spec_names({'x': P('a'), 'y': P('a')}) == ('a',)
+  assert _flax.spec_names({'x': P('a'), 'y': P('a', 'b')}) == ()  # replicated
 
 
 def test_no_flax_import_without_flax():

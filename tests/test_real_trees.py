@@ -21,7 +21,7 @@ from flax import nnx
 
 import skewadam_jax as sj
 from skewadam_jax import _labels
-from skewadam_jax import _tree
+from skewadam_jax import _paths
 
 DATA = Path(__file__).resolve().parent / 'data' / 'real_trees'
 FILES = sorted(DATA.glob('*.json'))
@@ -50,7 +50,7 @@ def _abstract(leaf: dict[str, Any]) -> jax.ShapeDtypeStruct:
 
 def _by_path(labels: Any) -> dict[str, str]:
   flat, _ = jax.tree_util.tree_flatten_with_path(labels)
-  return {_tree.path_str(p): label for p, label in flat}
+  return {_paths.path_str(p): label for p, label in flat}
 
 
 def _label_quietly(labeler, tree: Any) -> dict[str, str]:

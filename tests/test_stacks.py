@@ -19,7 +19,7 @@ import pytest
 
 import skewadam_jax as sj
 from skewadam_jax import _labels
-from skewadam_jax import _tree
+from skewadam_jax import _paths
 
 V, D, H, F = 64, 16, 24, 32
 SIZES = [(2, 4), (6, 4)]  # (R, E): the repeat length below and above the expert count
@@ -284,7 +284,7 @@ def _default_labels_and_axes(params: Any) -> tuple[dict[str, tuple[str, tuple[in
   flat_labels, treedef = jax.tree_util.tree_flatten_with_path(labels)
   got = {}
   for (path, tier), leaf_axes in zip(flat_labels, treedef.flatten_up_to(axes)):
-    got['/'.join(_tree.path_segments(path))] = (tier, tuple(leaf_axes))
+    got['/'.join(_paths.path_segments(path))] = (tier, tuple(leaf_axes))
   return got, text
 
 

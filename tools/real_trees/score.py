@@ -34,7 +34,7 @@ import optax  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 import skewadam_jax as sj  # noqa: E402
-from skewadam_jax import _tree  # noqa: E402
+from skewadam_jax import _paths  # noqa: E402
 
 DATA = os.path.join(REPO, 'tests', 'data', 'real_trees')
 
@@ -61,7 +61,7 @@ def hand_axes(path: str) -> dict[str, tuple[int, ...]]:
 
 def _by_path(tree: Any) -> dict[str, Any]:
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
-  return {_tree.path_str(p): v for p, v in flat}
+  return {_paths.path_str(p): v for p, v in flat}
 
 
 OLD_AXES = lambda params: jax.tree.map(  # noqa: E731 -- every axis before the last two
@@ -75,7 +75,7 @@ def moved_slices(tree: Any, axes: dict[str, tuple[int, ...]], batch_axes: Any) -
                                               jnp.float32), tree)
   grads = [jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.02,
                                               jnp.float32), tree) for _ in range(2)]
-  paths = [p for p, _ in _tree.flatten_with_paths(arrays)[0]]
+  paths = [p for p, _ in _paths.flatten_with_paths(arrays)[0]]
   treedef = jax.tree_util.tree_structure(arrays)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
@@ -111,7 +111,7 @@ def score(path: str, slices: bool = False) -> dict[str, Any]:
     warnings.simplefilter('always')
     labels = sj.make_labeler()(tree)
     axes = _by_path(sj.moe_batch_axes(tree))
-  got = {_tree.path_str(p): lab for p, lab in jax.tree_util.tree_flatten_with_path(labels)[0]}
+  got = {_paths.path_str(p): lab for p, lab in jax.tree_util.tree_flatten_with_path(labels)[0]}
   wrong = sorted(p for p in expected if got.get(p) != expected[p])
   hand = hand_axes(path)
   old = _by_path(OLD_AXES(tree))

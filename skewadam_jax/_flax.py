@@ -1,15 +1,21 @@
-"""Axis names of the optimizer state's Flax boxes, for the Flax sharding route.
+"""Flax boxes: finding them, reading and writing their axis names, unboxing them.
 
-`nnx.Optimizer` hands `tx.init` the params as `nnx.Param` Variables whose metadata
-(`out_sharding`) names each axis, e.g. `('embed', 'layers', 'q_heads', 'kv')`, and Linen
-boxed params (`nn.Partitioned`, `nn.LogicallyPartitioned`) carry the same in `names`.
-A state field built with the params' treedef puts every statistic in a box with its
-parameter's names, which is right for momentum but not for the reduced statistics
-(factored `v_row` drops the column axis, `v_col` the row axes). Flax's route,
-`nn.logical_to_mesh_sharding(nnx.get_partition_spec(state), mesh, rules)`, reads those
-names, so each statistic's box must name the axes the statistic keeps:
-`rename_boxes` gives it the names the statistic's estimator derives from the
-parameter's (the same derivation as its PartitionSpec in `state_shardings`).
+Flax wraps a parameter in a box that carries its logical axis names: Linen's
+`nn.Partitioned` / `nn.LogicallyPartitioned` (an `AxisMetadata`) in `names`, an NNX
+`Variable` in its metadata, under `out_sharding` since Flax 0.12 (which turns the older
+`sharding_names` and `sharding` into it) and under those two before. `NNX_KEYS` is the
+one order in which the names are read (the first key present wins) and written (every
+key present gets the new names).
+
+Why renaming exists: `nnx.Optimizer` hands `tx.init` the params as `nnx.Param`
+Variables, and `flax.nnx` copies a parameter's metadata onto every state leaf built
+with the params' treedef, e.g. `('embed', 'layers', 'q_heads', 'kv')`. That is right for
+momentum but not for the reduced statistics: a factored row statistic `v_row` drops the
+column axis, `v_col` the row axes, so each would otherwise claim the parameter's axis
+names. Flax's sharding route, `nn.logical_to_mesh_sharding(nnx.get_partition_spec(state),
+mesh, rules)`, reads those names, so `rename_boxes` gives each statistic's box the names
+its estimator derives from the parameter's (the same derivation as its PartitionSpec in
+`state_shardings`).
 
 Flax is not a dependency: boxes are only looked for when Flax is loaded.
 """
@@ -17,17 +23,94 @@ Flax is not a dependency: boxes are only looked for when Flax is loaded.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 from jax.sharding import PartitionSpec
 
-from skewadam_jax import _tree
+from skewadam_jax import _paths
 
 Names = tuple[Any, ...]  # one axis name (or None) per dimension
-# Where a box keeps its axis names: `out_sharding` since Flax 0.12 (which turns the
-# older `sharding_names` and `sharding` into it), those two before.
-_NNX_KEYS = ('out_sharding', 'sharding_names', 'sharding')
+# Where an NNX Variable keeps its axis names, newest spelling first (see the docstring).
+NNX_KEYS = ('out_sharding', 'sharding_names', 'sharding')
+
+
+def box_types() -> tuple[type, ...]:
+  """Flax boxes that carry axis names, if Flax is loaded (nothing to find otherwise)."""
+  types: list[type] = []
+  nnx = sys.modules.get('flax.nnx')
+  if nnx is not None:
+    for name in ('Variable', 'VariableState'):
+      t = vars(nnx).get(name)  # vars(): no deprecation warning for removed aliases
+      if isinstance(t, type):
+        types.append(t)
+  meta = sys.modules.get('flax.core.meta')
+  if meta is not None and isinstance(getattr(meta, 'AxisMetadata', None), type):
+    types.append(meta.AxisMetadata)
+  return tuple(types)
+
+
+def _metadata(box: Any) -> Any:
+  """An NNX Variable's metadata dict (None for anything else)."""
+  get = getattr(box, 'get_metadata', None)
+  return get() if callable(get) else getattr(box, 'metadata', None)
+
+
+def _is_axis_metadata(box: Any) -> bool:
+  meta = sys.modules.get('flax.core.meta')
+  return meta is not None and isinstance(box, getattr(meta, 'AxisMetadata', ()))
+
+
+def box_names(box: Any) -> Optional[Names]:
+  """Axis names of a Linen `nn.Partitioned` box or an NNX variable's sharding metadata
+  (the first of `NNX_KEYS` it holds)."""
+  names = getattr(box, 'names', None)
+  if names is None:
+    metadata = _metadata(box)
+    if isinstance(metadata, Mapping):
+      names = next((metadata[k] for k in NNX_KEYS if metadata.get(k) is not None), None)
+  if names is None or isinstance(names, str):
+    return None
+  try:
+    return tuple(names)
+  except TypeError:
+    return None
+
+
+def with_names(box: Any, names: Names) -> Any:
+  """A copy of a Flax box (NNX Variable or Linen AxisMetadata) naming its axes `names`.
+
+  NNX Variables get every one of `NNX_KEYS` that their metadata holds; Linen boxes get
+  `names`. A box without axis names is returned as is.
+  """
+  names = tuple(names)
+  if _is_axis_metadata(box):
+    if getattr(box, 'names', None) is None or not hasattr(box, 'replace'):
+      return box
+    return box.replace(names=names)
+  metadata = _metadata(box)
+  if not isinstance(metadata, Mapping):
+    return box
+  keys = [k for k in NNX_KEYS if metadata.get(k) is not None]
+  if not keys:
+    return box
+  return box.replace(**{k: names for k in keys})
+
+
+def axis_names_by_path(tree: Any) -> dict[tuple[str, ...], Names]:
+  """Normalised path segments -> axis names, for every Flax box in `tree` that has them."""
+  types = box_types()
+  if not types:
+    return {}
+  boxes, _ = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, types))
+  out = {}
+  for path, box in boxes:
+    if isinstance(box, types):
+      names = box_names(box)
+      if names is not None:
+        out[_paths.path_segments(path)] = names
+  return out
 
 
 def _box_value(box: Any) -> Any:
@@ -36,33 +119,6 @@ def _box_value(box: Any) -> Any:
   if len(leaves) == 1 and hasattr(leaves[0], 'shape'):
     return leaves[0]
   return None
-
-
-def _is_axis_metadata(box: Any) -> bool:
-  meta = sys.modules.get('flax.core.meta')
-  return meta is not None and isinstance(box, getattr(meta, 'AxisMetadata', ()))
-
-
-def with_names(box: Any, names: Names) -> Any:
-  """A copy of a Flax box (NNX Variable or Linen AxisMetadata) naming its axes `names`.
-
-  NNX Variables get every one of `out_sharding`, `sharding_names` and `sharding` that
-  their metadata holds; Linen boxes get `names`. A box without axis names is returned
-  as is.
-  """
-  names = tuple(names)
-  if _is_axis_metadata(box):
-    if getattr(box, 'names', None) is None or not hasattr(box, 'replace'):
-      return box
-    return box.replace(names=names)
-  get = getattr(box, 'get_metadata', None)
-  metadata = get() if callable(get) else getattr(box, 'metadata', None)
-  if not isinstance(metadata, dict):
-    return box
-  keys = [k for k in _NNX_KEYS if metadata.get(k) is not None]
-  if not keys:
-    return box
-  return box.replace(**{k: names for k in keys})
 
 
 def rename_boxes(
@@ -89,7 +145,7 @@ def rename_boxes(
   Returns:
     `field`, with renamed copies of the boxes whose names change.
   """
-  types = _tree.box_types()
+  types = box_types()
   if not types:
     return field
 
@@ -100,14 +156,14 @@ def rename_boxes(
     if not (is_box(param) and is_box(stat)):
       return stat
     value = _box_value(param)
-    names = _tree.box_names(param)
+    names = box_names(param)
     if value is None or names is None or not jax.tree.leaves(stat):
       return stat
     shape = tuple(value.shape)
     if len(names) > len(shape):
       return stat  # not one name per axis: nothing to derive from
     names = names + (None,) * (len(shape) - len(names))
-    new = names_for(_tree.path_str(path), shape, names)
+    new = names_for(_paths.path_str(path), shape, names)
     if new is None or tuple(new) == names:
       return stat
     return with_names(stat, tuple(new))
@@ -137,7 +193,7 @@ def unbox(tree: Any) -> Any:
   State fields whose boxes name the axes their statistic keeps no longer share the
   params' treedef (box metadata is part of it); unboxed, both have the same structure.
   """
-  types = _tree.box_types()
+  types = box_types()
   if not types:
     return tree
 

@@ -181,7 +181,8 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
     >>> sj.memory_report(sj.skewadam(3e-4), params).total_state_bytes  # mu, rows, cols
     2336
   """
-  if not _checks.is_transform(tx) and _checks.is_transform(params):
+  if not _checks.is_transform(tx) and (_checks.is_transform(params) or (
+      _has_arrays(tx) and not _has_arrays(params))):  # memory_report(params, tx)
     _deprecated('sj.memory_report(params, tx)', 'sj.memory_report(tx, params)')
     tx, params = params, tx
   _checks.check_transform(tx, params, 'sj.memory_report(tx, params)')
@@ -212,6 +213,10 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
       total_param_bytes=sum(r.param_bytes for r in rows),
       total_state_bytes=sum(r.state_bytes for r in rows),
       counter_bytes=counters)
+
+
+def _has_arrays(tree: Any) -> bool:
+  return any(_tree.is_array_like(x) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _is_counter_leaf(s: _trace.StateLeaf) -> bool:
@@ -311,8 +316,11 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tiere
     _deprecated('sj.label_table(params, tiers=..., param_labels=..., batch_axes=...)',
                 'sj.label_table(sj.skewadam(lr, tiers=..., param_labels=..., '
                 'batch_axes=...), params)')
-    tx, params, tiers = _alias.skewadam(1.0, tiers=params, param_labels=param_labels,
-                                        batch_axes=batch_axes), tx, None
+    if params is not None and tiers is not None:
+      raise TypeError('`sj.label_table` got `tiers` twice; call `sj.label_table(tx, params)`.')
+    tiers = params if tiers is None else tiers  # label_table(params, tiers, ...)
+    tx, params = _alias.skewadam(1.0, tiers=tiers, param_labels=param_labels,
+                                 batch_axes=batch_axes), tx
   trace = _trace.trace_init(tx, params)
   if not trace.tiers:
     raise ValueError('`tx` contains no sj.skewadam: `sj.label_table(tx, params)` shows '

@@ -143,27 +143,15 @@ def _deprecated(old: str, new: str) -> None:
   warnings.warn(f'{old} is deprecated: call {new}.', DeprecationWarning, stacklevel=3)
 
 
-def _flat_labels(trace: _trace.Trace, params: Any, param_labels: Any) -> list[Any]:
-  """Each parameter's tier: from `param_labels` if given, else the one a skewadam in
-  the optimizer gave it, else `moe_param_labels`'."""
-  treedef = jax.tree_util.tree_structure(params)
-  if param_labels is None and all(path in trace.tiers for path in trace.paths):
-    return [trace.tiers[path].tier for path in trace.paths]
-  labels = treedef.flatten_up_to(_labels.resolve_labels(params, param_labels))
-  if param_labels is not None:
-    return labels
-  return [trace.tiers[path].tier if path in trace.tiers else label
-          for path, label in zip(trace.paths, labels)]
-
-
 def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryReport:
   """Per-tier parameter and optimizer-state bytes of `tx` on `params` (eval_shape only).
 
   Works for any optax optimizer (AdamW, Adafactor, Lion, AdamPM, SkewAdam, ...): each
-  state leaf that follows the params is attributed to its parameter's tier; the other
-  leaves (hyperparameters) go under `(other)`, step counters apart. Tiers are the ones
-  a `skewadam` in `tx` gives its parameters, or `param_labels`' if given, or
-  `moe_param_labels`'.
+  state leaf that follows the params is attributed to its parameter's tier as given
+  by `param_labels` (default `moe_param_labels`, the same for every optimizer, so that
+  reports of two optimizers compare tier by tier); the other leaves (hyperparameters)
+  go under `(other)`, step counters apart. What a `skewadam` gives each parameter,
+  tier by its own labels, is `label_table(tx, params)`.
 
   The order `memory_report(params, tx)` still works, with a DeprecationWarning.
 
@@ -187,7 +175,8 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
     tx, params = params, tx
   _checks.check_transform(tx, params, 'sj.memory_report(tx, params)')
   trace = _trace.trace_init(tx, params)
-  labels = _flat_labels(trace, params, param_labels)
+  labels = jax.tree_util.tree_structure(params).flatten_up_to(
+      _labels.resolve_labels(params, param_labels))
   by_label: dict[Any, int] = {}
   counters = 0
   for s in trace.leaves:

@@ -113,16 +113,18 @@ def test_old_spellings_still_work_with_a_deprecation_warning():
     assert sj.memory_report(PARAMS, tx) == sj.memory_report(tx, PARAMS)
 
 
-def test_memory_report_reads_the_tiers_of_the_skewadam_in_tx():
+def test_memory_report_groups_every_optimizer_by_the_same_labels():
   params = {'embed': S((64, 8), F32), 'mlp': S((8, 32), F32), 'norm': S((8,), F32)}
   tx = sj.skewadam(1e-3, tiers=sj.MUON_TIERS)
-  report = sj.memory_report(tx, params)
-  by_tier = {t.tier: t for t in report.tiers}
+  report = sj.memory_report(tx, params)  # moe_param_labels, as for AdamW: comparable
+  assert [t.tier for t in report.tiers] == [t.tier for t in
+                                            sj.memory_report(optax.adamw(1e-3), params).tiers]
+  hidden = sj.memory_report(tx, params, param_labels=sj.hidden_param_labels)
+  by_tier = {t.tier: t for t in hidden.tiers}
   assert set(by_tier) == {'backbone', 'hidden'} and by_tier['hidden'].params == 8 * 32
-  assert report == sj.memory_report(tx, params, param_labels=sj.hidden_param_labels)
-  # Any other optimizer: moe_param_labels, or the labels given.
-  adamw = sj.memory_report(optax.adamw(1e-3), params)
-  assert [t.tier for t in adamw.tiers] == ['backbone']
+  assert hidden.total_state_bytes == report.total_state_bytes
+  table = sj.label_table(tx, params)  # the skewadam's own tiers
+  assert sum(r.state_bytes for r in table if r.tier == 'hidden') == by_tier['hidden'].state_bytes
 
 
 # ------------------------------------------------------------------ quantized statistics

@@ -180,7 +180,7 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
   by_label: dict[Any, int] = {}
   counters = 0
   for s in trace.leaves:
-    if _is_counter_leaf(s):
+    if is_counter(s.leaf):
       counters += leaf_bytes(s.leaf)
       continue
     label = '(other)' if s.param is None else labels[s.param]
@@ -206,11 +206,6 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
 
 def _has_arrays(tree: Any) -> bool:
   return any(_tree.is_array_like(x) for x in jax.tree_util.tree_leaves(tree))
-
-
-def _is_counter_leaf(s: _trace.StateLeaf) -> bool:
-  # A 0-d integer leaf of a scalar parameter (a quantized statistic) is state.
-  return is_counter(s.leaf) and s.param is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +312,7 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tiere
                      'per tier, call `sj.memory_report(tx, params)`.')
   state = [0] * len(trace.paths)
   for s in trace.leaves:
-    if s.param is not None and not _is_counter_leaf(s):
+    if s.param is not None and not is_counter(s.leaf):
       state[s.param] += leaf_bytes(s.leaf)
   rows = []
   for i, (path, p) in enumerate(_tree.flatten_with_paths(params)[0]):

@@ -197,7 +197,7 @@ def to_f32(params: Any) -> Any:
 def measure(params: Any, name: str) -> dict[str, Any]:
   label, make, f32_state = OPTIMIZERS[name]
   tx = make()
-  report = sj.memory_report(to_f32(params) if f32_state else params, tx)
+  report = sj.memory_report(tx, to_f32(params) if f32_state else params)
   default_bytes = sj.optimizer_state_bytes(tx, params)  # optax defaults on bf16 params
   n = report.total_params
   return {
@@ -214,7 +214,7 @@ def run(model_names: list[str]) -> dict[str, Any]:
   out = {}
   for m in model_names:
     params = MODELS[m]()
-    rep = sj.memory_report(params, optax.identity())
+    rep = sj.memory_report(optax.identity(), params)
     tiers = {t.tier: {'params': t.params, 'param_bytes': t.param_bytes} for t in rep.tiers}
     t0 = time.perf_counter()
     rows = {name: measure(params, name) for name in OPTIMIZERS}

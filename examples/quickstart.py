@@ -36,9 +36,9 @@ def memory_table() -> None:
   # The published AdamW kept fp32 m and v (8 B per parameter): account it on fp32 copies.
   fp32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
   rows = [
-      ('AdamW (fp32 m, v)', sj.memory_report(fp32, optax.adamw(3e-4))),
-      ('AdamPM s=8 (fp32 m, nu)', sj.memory_report(fp32, sj.adampm(3e-4, group_size=8))),
-      ('SkewAdam (published tiers)', sj.memory_report(params, sj.skewadam(3e-4))),
+      ('AdamW (fp32 m, v)', sj.memory_report(optax.adamw(3e-4), fp32)),
+      ('AdamPM s=8 (fp32 m, nu)', sj.memory_report(sj.adampm(3e-4, group_size=8), fp32)),
+      ('SkewAdam (published tiers)', sj.memory_report(sj.skewadam(3e-4), params)),
   ]
   print('| optimizer | backbone | experts | router | total state | GiB |')
   print('|---|---:|---:|---:|---:|---:|')
@@ -63,7 +63,7 @@ def train(steps: int, batch_size: int, lr: float) -> None:
                    sj.skewadam(schedule, weight_decay=0.1, tiers=sj.ADAM_EPS_TIERS))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   state = nnx.state(model, nnx.Param)
-  print(sj.format_label_table(sj.label_table(state, tiers=sj.ADAM_EPS_TIERS)).splitlines()[-1])
+  print(sj.label_table(tx, state).format().splitlines()[-1])
 
   @nnx.jit
   def train_step(model, optimizer, batch, key):

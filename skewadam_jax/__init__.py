@@ -2,7 +2,12 @@
 
 SkewAdam (optimizer state allocated by parameter tier) and AdamPM (a second moment
 pooled over groups of neighbouring elements), as composable optax transformations.
-Each public name below says why a user needs it; everything else is internal.
+
+One flat namespace, as optax's: `import skewadam_jax as sj`, then `sj.<name>`. The
+public names are `__all__`, grouped as the code is (the optimizers and their rules;
+tiers and estimators; labels and batch axes; reports; sharding and checkpoints;
+helpers); each group below says why a user needs it. Modules whose names start with an
+underscore are internal.
 """
 
 # The two optimizers, drop-ins for optax.adamw.
@@ -29,20 +34,27 @@ from skewadam_jax._second_moment import SecondMoment
 from skewadam_jax._second_moment import Step
 # Labels: which tier each parameter gets, and your own rules.
 from skewadam_jax._labels import DEFAULT_RULES
+from skewadam_jax._labels import DENSE_RULES
+from skewadam_jax._labels import Labeler
 from skewadam_jax._labels import make_labeler
 from skewadam_jax._labels import moe_param_labels
 from skewadam_jax._hidden import hidden_param_labels
+# The warning a guessed label raises (filter it, or make it an error, by its class).
+from skewadam_jax._labels import UnsureLabelWarning
 # Batch axes: which axes of each leaf index independent matrices (experts, layers).
 from skewadam_jax._axes import moe_batch_axes
 # Structure from the computation: tiers and batch axes read from the traced forward pass.
 from skewadam_jax._structure import Structure
 from skewadam_jax._structure import trace_structure
-# Reports: what each leaf gets and costs, before training (nothing is allocated).
+# Reports: what each leaf gets and costs, read from the optimizer before training
+# (nothing is allocated).
 from skewadam_jax._labels import LeafReport
 from skewadam_jax._memory import format_label_table
 from skewadam_jax._memory import label_table
+from skewadam_jax._memory import LabelTable
 from skewadam_jax._memory import memory_report
 from skewadam_jax._memory import MemoryReport
+from skewadam_jax._memory import TierMemory
 from skewadam_jax._memory import optimizer_state_bytes
 from skewadam_jax._memory import state_bytes
 # Sharding: the state's shardings from the params' (jit out_shardings, Orbax targets).
@@ -61,43 +73,56 @@ from skewadam_jax._rounding import stochastic_round
 __version__ = '0.1.0'
 
 __all__ = (
+    # The optimizers, and their scaling rules.
+    'adampm',
+    'skewadam',
+    'scale_by_grouped_second_moment',
+    'scale_by_tiered_adam',
+    # Tiers: the policies and one tier's configuration.
     'ADAM_EPS_TIERS',
     'ADAM_ROUTER_TIERS',
-    'DEFAULT_RULES',
+    'MUON_TIERS',
+    'PUBLISHED_TIERS',
+    'Tier',
+    # State types.
+    'GroupedSecondMomentState',
+    'TieredAdamState',
+    # Second-moment estimators, and the interface of your own.
     'Exact',
     'Factored',
     'Grouped',
-    'GroupedSecondMomentState',
-    'LeafReport',
-    'MUON_TIERS',
-    'MemoryReport',
     'Orthogonal',
-    'PUBLISHED_TIERS',
     'SecondMoment',
     'Step',
+    # Labels, batch axes and structure: which tier and which batch axes each leaf gets.
+    'DEFAULT_RULES',
+    'DENSE_RULES',
+    'Labeler',
     'Structure',
-    'Tier',
-    'TieredAdamState',
-    'adampm',
-    'apply_updates_stochastic',
-    'check_checkpoint_matches',
-    'checkpoint_mismatches',
-    'expand_groups',
-    'format_label_table',
-    'groupmean',
+    'UnsureLabelWarning',
     'hidden_param_labels',
-    'label_table',
     'make_labeler',
-    'memory_report',
     'moe_batch_axes',
     'moe_param_labels',
-    'optimizer_state_bytes',
-    'scale_by_grouped_second_moment',
-    'scale_by_tiered_adam',
-    'sharded_abstract_state',
-    'skewadam',
-    'state_bytes',
-    'state_shardings',
-    'stochastic_round',
     'trace_structure',
+    # Reports, read from the optimizer: label_table(tx, params), memory_report(tx, params).
+    'LabelTable',
+    'LeafReport',
+    'MemoryReport',
+    'TierMemory',
+    'format_label_table',
+    'label_table',
+    'memory_report',
+    'optimizer_state_bytes',
+    'state_bytes',
+    # Sharding and checkpoints.
+    'check_checkpoint_matches',
+    'checkpoint_mismatches',
+    'sharded_abstract_state',
+    'state_shardings',
+    # Helpers: AdamPM's pooling, stochastic rounding for bf16 weights.
+    'apply_updates_stochastic',
+    'expand_groups',
+    'groupmean',
+    'stochastic_round',
 )

@@ -14,6 +14,7 @@ from skewadam_jax import _grouped
 from skewadam_jax import _hidden
 from skewadam_jax import _labels
 from skewadam_jax import _tiered
+from skewadam_jax import _trace
 from skewadam_jax import _tree
 
 
@@ -130,6 +131,7 @@ def skewadam(
     else:
       with _axes.labels_in_use(params, labels):  # moe_batch_axes(p) in it sees them
         axes = batch_axes(params)
+    _trace.record_tiers(params, tiers, param_labels, labels, axes)  # for the reports
     transforms = {name: _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier, batch_axes=axes)
                   for name, tier in tiers.items()}
     # A function, not the label tree: optax would call a callable tree (an Equinox

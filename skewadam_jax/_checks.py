@@ -164,7 +164,8 @@ def check_float_leaf(path: str, dtype: Any, where: str) -> None:
         'mask)` with `mask` False on this leaf.')
 
 
-def _is_transform(tx: Any) -> bool:
+def is_transform(tx: Any) -> bool:
+  """Whether `tx` looks like an optax GradientTransformation (init and update)."""
   return callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))
 
 
@@ -180,18 +181,18 @@ def check_transform(tx: Any, other: Any = None, call: str = '') -> None:
     tx: the argument that must be the optimizer.
     other: the call's params argument; if it is the optimizer, the arguments were
       given in the wrong order and the message shows `call`, the right one.
-    call: the call with its argument names in order, e.g. 'sj.memory_report(params, tx)'.
+    call: the call with its argument names in order, e.g. 'sj.memory_report(tx, params)'.
   """
-  if _is_transform(tx):
+  if is_transform(tx):
     return
   message = ('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
              f'or optax.adamw(1e-3)), got {type(tx).__name__}')
-  if call and _is_transform(other):
+  if call and is_transform(other):
     raise TypeError(
         f'{message} where `tx` goes and an optimizer where `params` goes: the arguments '
-        f'are in the wrong order, call `{call}`. Only `sj.memory_report(params, tx)` '
-        'takes the params first; `sj.optimizer_state_bytes`, `sj.state_shardings` and '
-        '`sj.sharded_abstract_state` take the optimizer first.')
+        f'are in the wrong order, call `{call}`. Every report takes the optimizer first '
+        '(`sj.label_table`, `sj.memory_report`, `sj.optimizer_state_bytes`, '
+        '`sj.state_shardings`, `sj.sharded_abstract_state`).')
   raise TypeError(f'{message} {_short_repr(tx)}.')
 
 

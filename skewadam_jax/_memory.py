@@ -1,34 +1,42 @@
 """Memory accounting from abstract shapes: nothing is allocated.
 
-State bytes come from `jax.eval_shape(tx.init, abstract_params)`; per-tier figures
-attribute every state leaf that follows the params' tree to its parameter's tier.
+Every report reads the optimizer that was built, from one abstract trace of its
+`init` (`_trace.trace_init`): `memory_report` attributes every state leaf that follows
+the params to its parameter's tier, and `label_table` shows what a `skewadam` gives
+each parameter and what its state costs.
+
+Every array leaf of the state counts, whatever its dtype (quantized statistics, uint8
+codes, int8 moments); only step counters (0-d integer or boolean leaves: optax's
+`count`, `MultiSteps`' `mini_step`) are set apart, in `MemoryReport.counter_bytes`.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from typing import Any, Mapping, Optional
+import warnings
+from typing import Any, Iterator, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from skewadam_jax import _axes
+from skewadam_jax import _alias
 from skewadam_jax import _checks
-from skewadam_jax import _flax
-from skewadam_jax import _hidden
 from skewadam_jax import _labels
 from skewadam_jax import _paths
 from skewadam_jax import _tiered
+from skewadam_jax import _trace
 from skewadam_jax import _tree
 
 GIB = 1024**3
 
 
-def leaf_bytes(x: Any, floating_only: bool = True) -> int:
+def leaf_bytes(x: Any, floating_only: bool = False) -> int:
   """Bytes of one array-like leaf (array or `jax.ShapeDtypeStruct`) or Python number (a
-  0-d array, as optax treats it); 0 otherwise."""
+  0-d array, as optax treats it); 0 otherwise (and for non-float leaves if
+  `floating_only`)."""
   x = _tree.abstract_leaf(x)
   if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
     return 0
@@ -38,12 +46,21 @@ def leaf_bytes(x: Any, floating_only: bool = True) -> int:
   return int(np.prod(x.shape, dtype=np.int64)) * dtype.itemsize
 
 
-def tree_bytes(tree: Any, floating_only: bool = True) -> int:
+def is_counter(x: Any) -> bool:
+  """Whether a state leaf is a step counter: a 0-d integer or boolean array."""
+  x = _tree.abstract_leaf(x)
+  if not (hasattr(x, 'shape') and hasattr(x, 'dtype')) or tuple(x.shape):
+    return False
+  dtype = jnp.dtype(x.dtype)
+  return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
+
+
+def tree_bytes(tree: Any, floating_only: bool = False) -> int:
   """Total bytes of a pytree of arrays or `jax.ShapeDtypeStruct`s.
 
   Args:
     tree: any pytree (optimizer state, params, abstract or concrete).
-    floating_only: count only floating-point leaves (skips int step counters).
+    floating_only: count only floating-point leaves.
 
   Returns:
     The number of bytes, as a Python int.
@@ -51,9 +68,25 @@ def tree_bytes(tree: Any, floating_only: bool = True) -> int:
   return sum(leaf_bytes(x, floating_only) for x in jax.tree_util.tree_leaves(tree))
 
 
-def state_bytes(state: Any, floating_only: bool = True) -> int:
-  """Bytes of an optimizer state or abstract state (floating-point leaves only)."""
-  return tree_bytes(state, floating_only)
+def state_bytes(state: Any, floating_only: bool = False, *, counters: bool = False) -> int:
+  """Bytes of an optimizer state or abstract state: every array leaf, whatever its dtype.
+
+  Args:
+    state: the state (arrays or `jax.ShapeDtypeStruct`s).
+    floating_only: count only floating-point leaves (leaving out quantized statistics).
+    counters: also count step counters (0-d integer or boolean leaves).
+
+  Returns:
+    The number of bytes, as a Python int.
+
+  Example:
+    >>> import jax.numpy as jnp, skewadam_jax as sj
+    >>> state = sj.skewadam(1e-3).init({'w': jnp.zeros((3, 4))})
+    >>> sj.state_bytes(state)  # momentum [3, 4], rows [3] and columns [4], float32
+    76
+  """
+  return sum(leaf_bytes(x, floating_only) for x in jax.tree_util.tree_leaves(state)
+             if counters or not is_counter(x))
 
 
 def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
@@ -62,50 +95,12 @@ def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
 
 
 def optimizer_state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
-  """Floating-point state bytes of `tx` for `params` (abstract or concrete)."""
+  """State bytes of `tx` for `params` (abstract or concrete), step counters apart.
+
+  Every array leaf counts, whatever its dtype (`state_bytes`).
+  """
   _checks.check_transform(tx, params, 'sj.optimizer_state_bytes(tx, params)')
   return state_bytes(abstract_state(tx, params))
-
-
-def _children(node: Any) -> list[Any]:
-  """The immediate pytree children of `node` (empty for a leaf)."""
-  children, _ = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
-  return [] if len(children) == 1 and children[0] is node else children
-
-
-def _attribute(node: Any, params_def: Any, labels: list[str], totals: dict[str, int]
-               ) -> None:
-  """Adds the bytes of `node`'s leaves to `totals`, per tier where they follow params."""
-  try:
-    subtrees = params_def.flatten_up_to(node)
-  except (ValueError, TypeError):
-    subtrees = None
-  if subtrees is not None:
-    for label, sub in zip(labels, subtrees):
-      totals[label] = totals.get(label, 0) + tree_bytes(sub)
-    return
-  children = _children(node)
-  if not children:
-    totals['(other)'] = totals.get('(other)', 0) + tree_bytes(node)
-    return
-  for child in children:
-    _attribute(child, params_def, labels, totals)
-
-
-def state_bytes_by_label(state: Any, params: Any, labels: Any) -> dict[str, int]:
-  """Floating state bytes per label, for every state subtree that follows `params`.
-
-  State leaves outside params-shaped subtrees (step counts, injected hyperparameters)
-  go under `'(other)'`.
-  """
-  params_def = jax.tree_util.tree_structure(params)
-  flat_labels = params_def.flatten_up_to(labels)
-  # Boxes of reduced statistics name other axes than their parameter's (their metadata
-  # is part of the treedef), so both are compared unboxed.
-  params_def = jax.tree_util.tree_structure(_flax.unbox(params))
-  totals: dict[str, int] = {}
-  _attribute(_flax.unbox(state), params_def, flat_labels, totals)
-  return totals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +115,16 @@ class TierMemory:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-  """Per-tier parameters and optimizer-state bytes, and the totals."""
+  """Per-tier parameters and optimizer-state bytes, and the totals.
+
+  `total_state_bytes` counts every array leaf of the state but the step counters,
+  whose bytes are `counter_bytes`.
+  """
   tiers: tuple[TierMemory, ...]
   total_params: int
   total_param_bytes: int
   total_state_bytes: int
+  counter_bytes: int = 0
 
   def format(self, title: str = '') -> str:
     """A markdown table of the report."""
@@ -140,30 +140,56 @@ class MemoryReport:
     return '\n'.join(lines)
 
 
-def memory_report(params: Any, tx: optax.GradientTransformation, *,
-                  param_labels: Any = None) -> MemoryReport:
+def _deprecated(old: str, new: str) -> None:
+  warnings.warn(f'{old} is deprecated: call {new}.', DeprecationWarning, stacklevel=3)
+
+
+def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryReport:
   """Per-tier parameter and optimizer-state bytes of `tx` on `params` (eval_shape only).
 
-  Works for any optax optimizer whose state follows the params' tree (AdamW,
-  Adafactor, Lion, AdamPM, SkewAdam, ...): each state leaf is attributed to its
-  parameter's tier as given by `param_labels` (default `moe_param_labels`).
+  Works for any optax optimizer (AdamW, Adafactor, Lion, AdamPM, SkewAdam, ...): each
+  state leaf that follows the params is attributed to its parameter's tier as given
+  by `param_labels` (default `moe_param_labels`, the same for every optimizer, so that
+  reports of two optimizers compare tier by tier); the other leaves (hyperparameters)
+  go under `(other)`, step counters apart. What a `skewadam` gives each parameter,
+  tier by its own labels, is `label_table(tx, params)`.
+
+  The order `memory_report(params, tx)` still works, with a DeprecationWarning.
 
   Args:
-    params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
     tx: the optimizer.
-    param_labels: a label tree or labeler function; default `moe_param_labels`.
+    params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
+    param_labels: a label tree or labeler function, to group by other tiers.
 
   Returns:
     A `MemoryReport`; `.format()` renders it as a markdown table.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, skewadam_jax as sj
+    >>> params = {'embed': jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+    >>> sj.memory_report(sj.skewadam(3e-4), params).total_state_bytes  # mu, rows, cols
+    2336
   """
-  _checks.check_transform(tx, params, 'sj.memory_report(params, tx)')
-  labels = _labels.resolve_labels(params, param_labels)
-  flat_labels = jax.tree_util.tree_structure(params).flatten_up_to(labels)
-  by_label = state_bytes_by_label(abstract_state(tx, params), params, labels)
+  if not _checks.is_transform(tx) and (_checks.is_transform(params) or (
+      _has_arrays(tx) and not _has_arrays(params))):  # memory_report(params, tx)
+    _deprecated('sj.memory_report(params, tx)', 'sj.memory_report(tx, params)')
+    tx, params = params, tx
+  _checks.check_transform(tx, params, 'sj.memory_report(tx, params)')
+  trace = _trace.trace_init(tx, params)
+  labels = jax.tree_util.tree_structure(params).flatten_up_to(
+      _labels.resolve_labels(params, param_labels))
+  by_label: dict[Any, int] = {}
+  counters = 0
+  for s in trace.leaves:
+    if is_counter(s.leaf):
+      counters += leaf_bytes(s.leaf)
+      continue
+    label = '(other)' if s.param is None else labels[s.param]
+    by_label[label] = by_label.get(label, 0) + leaf_bytes(s.leaf)
   leaves = [_tree.abstract_leaf(p) for p in jax.tree_util.tree_leaves(params)]
   rows = []
-  for name in dict.fromkeys(list(flat_labels) + [k for k in by_label if k != '(other)']):
-    mine = [p for p, lab in zip(leaves, flat_labels) if lab == name]
+  for name in dict.fromkeys(list(labels) + [k for k in by_label if k != '(other)']):
+    mine = [p for p, lab in zip(leaves, labels) if lab == name]
     rows.append(TierMemory(
         tier=name, leaves=len(mine),
         params=sum(int(np.prod(p.shape, dtype=np.int64)) for p in mine),
@@ -175,64 +201,135 @@ def memory_report(params: Any, tx: optax.GradientTransformation, *,
       tiers=tuple(rows),
       total_params=sum(r.params for r in rows),
       total_param_bytes=sum(r.param_bytes for r in rows),
-      total_state_bytes=sum(r.state_bytes for r in rows))
+      total_state_bytes=sum(r.state_bytes for r in rows),
+      counter_bytes=counters)
 
 
-def label_table(params: Any, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
-                param_labels: Any = None, batch_axes: Any = None
-                ) -> list[_labels.LeafReport]:
-  """Every leaf with its path, shape, tier, batch axes, estimator, state bytes and a note.
+def _has_arrays(tree: Any) -> bool:
+  return any(_tree.is_array_like(x) for x in jax.tree_util.tree_leaves(tree))
 
-  The note says how structure or axis names decided a leaf's tier, or why its label is
-  a guess (what the labeler also warns about), so unsure leaves show up in the table.
-  The batch axes are the axes its statistics and clip are separate along (the expert
-  axis, a scanned layer axis); the other axes form its matrix.
+
+@dataclasses.dataclass(frozen=True)
+class LabelTable(collections.abc.Sequence):
+  """What a `skewadam` gives every parameter, and what its state costs: `label_table`.
+
+  A sequence of `LeafReport` rows, one per parameter leaf in tree order (iterate, index
+  or `len` it as a list); `.format()` renders it as text.
+  """
+  rows: tuple[_labels.LeafReport, ...]
+
+  def __getitem__(self, index: Any) -> Any:
+    return self.rows[index]
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def __iter__(self) -> Iterator[_labels.LeafReport]:
+    return iter(self.rows)
+
+  @property
+  def total_state_bytes(self) -> int:
+    """The state bytes of every row."""
+    return sum(r.state_bytes for r in self.rows)
+
+  def format(self, title: str = '') -> str:
+    """An aligned, readable text table (notes in the last column) and a summary line."""
+    header = ('path', 'shape', 'dtype', 'tier', 'batch axes', 'second moment',
+              'state bytes', 'note')
+    body = [(r.path, 'x'.join(map(str, r.shape)) or '()', r.dtype, r.tier,
+             ','.join(map(str, r.batch_axes)) or '-', r.second_moment, f'{r.state_bytes:,}',
+             r.note) for r in self.rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    fmt = '  '.join(f'{{:{">" if i == 6 else "<"}{w}}}' for i, w in enumerate(widths))
+    out = [f'### {title}'] if title else []
+    out += [fmt.format(*header).rstrip(), fmt.format(*('-' * w for w in widths))]
+    out += [fmt.format(*row).rstrip() for row in body]
+    total = self.total_state_bytes
+    unsure = sum(r.note.startswith('UNSURE') for r in self.rows)
+    out.append(f'{len(self.rows)} leaves, {total:,} B of optimizer state '
+               f'({total / GIB:.3f} GiB)'
+               + (f'; {unsure} unsure labels (see note)' if unsure else ''))
+    return '\n'.join(out)
+
+
+def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
+                param_labels: Any = None, batch_axes: Any = None) -> LabelTable:
+  """Every leaf with its path, shape, tier, batch axes, estimator, state bytes and a note,
+  as the `skewadam` in `tx` gives them.
+
+  Read from one abstract trace of `tx.init` (nothing is allocated), so the table shows
+  the optimizer that was built: its tiers, labels and batch axes, wherever the
+  `skewadam` sits (`optax.chain`, `inject_hyperparams`, `MultiSteps`,
+  `apply_if_finite`, `masked`). The note says how structure or axis names decided a
+  leaf's tier, or why its label is a guess (what the labeler also warns about). The
+  batch axes are the axes its statistics and clip are separate along (the expert axis,
+  a scanned layer axis); the other axes form its matrix. A leaf's state bytes are every
+  state leaf of `tx` that belongs to it. Leaves a `masked` skewadam does not update have
+  tier `-`.
+
+  The old form `label_table(params, tiers=None, param_labels=None, batch_axes=None)`
+  still works, with a DeprecationWarning; it reads `sj.skewadam(lr, tiers=tiers,
+  param_labels=param_labels, batch_axes=batch_axes)`.
 
   Args:
+    tx: the optimizer; it must contain an `sj.skewadam`.
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s (Flax states too).
-    tiers: tier name -> `Tier`; default `PUBLISHED_TIERS`.
-    param_labels: a label tree or labeler function; default `moe_param_labels`
-      (`hidden_param_labels` when `tiers` has a `'hidden'` tier, as in `skewadam`).
-    batch_axes: a tree of int tuples or a function returning one, as in `skewadam`;
-      default `moe_batch_axes`.
 
   Returns:
-    A list of `LeafReport`, one per leaf, in tree order.
+    A `LabelTable`: a sequence of `LeafReport`, one per leaf in tree order;
+    `.format()` renders it.
+
+  Raises:
+    ValueError: if `tx` contains no `skewadam`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, skewadam_jax as sj
+    >>> params = {'moe': {'router': jax.ShapeDtypeStruct((8, 4), jnp.float32),
+    ...           'experts': {'w1': jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)}}}
+    >>> table = sj.label_table(sj.skewadam(3e-4), params)
+    >>> [(r.path, r.tier, r.second_moment, r.state_bytes) for r in table]
+    [('moe/experts/w1', 'experts', 'factored', 384), ('moe/router', 'router', 'exact', 128)]
   """
-  tiers = _tiered.check_tiers(tiers)
-  labels, notes = _labels.labels_and_notes(params, param_labels)
-  if param_labels is None and _hidden.HIDDEN_TIER in tiers:
-    labels = _hidden.hidden_param_labels(params, labels)
-  labels = _labels.expand_labels(params, labels, tiers)
-  leaves, treedef = _paths.flatten_with_paths(params)
-  axes, _ = _axes.batch_axes_and_notes(params, labels, batch_axes)
+  if _checks.is_transform(tx):
+    if (tiers, param_labels, batch_axes) != (None, None, None):
+      raise TypeError('`sj.label_table(tx, params)` reads the tiers, labels and batch axes '
+                      'from `tx`: pass `tiers`, `param_labels` and `batch_axes` to '
+                      '`sj.skewadam`.')
+  elif _checks.is_transform(params):
+    _checks.check_transform(tx, params, 'sj.label_table(tx, params)')
+  else:
+    _deprecated('sj.label_table(params, tiers=..., param_labels=..., batch_axes=...)',
+                'sj.label_table(sj.skewadam(lr, tiers=..., param_labels=..., '
+                'batch_axes=...), params)')
+    if params is not None and tiers is not None:
+      raise TypeError('`sj.label_table` got `tiers` twice; call `sj.label_table(tx, params)`.')
+    tiers = params if tiers is None else tiers  # label_table(params, tiers, ...)
+    tx, params = _alias.skewadam(1.0, tiers=tiers, param_labels=param_labels,
+                                 batch_axes=batch_axes), tx
+  trace = _trace.trace_init(tx, params)
+  if not trace.tiers:
+    raise ValueError('`tx` contains no sj.skewadam: `sj.label_table(tx, params)` shows '
+                     'what a skewadam gives each parameter. For any optimizer\'s state '
+                     'per tier, call `sj.memory_report(tx, params)`.')
+  state = [0] * len(trace.paths)
+  for s in trace.leaves:
+    if s.param is not None and not is_counter(s.leaf):
+      state[s.param] += leaf_bytes(s.leaf)
   rows = []
-  for (path, p), label, note, ax in zip(leaves, treedef.flatten_up_to(labels), notes, axes):
-    tier = tiers[label]
-    abstract = p = _tree.abstract_leaf(p)  # Python scalars: 0-d arrays, as in optax
-    state = jax.eval_shape(
-        lambda a, tier=tier, path=path, ax=ax: _tiered.init_leaf(tier, path, a, ax), abstract)
+  for i, (path, p) in enumerate(_paths.flatten_with_paths(params)[0]):
+    p = _tree.abstract_leaf(p)  # Python scalars: 0-d arrays, as in optax
+    got = trace.tiers.get(path)
     rows.append(_labels.LeafReport(
-        path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)), tier=label,
-        second_moment=_tiered.leaf_estimator(tuple(p.shape), tier, ax, path).name,
-        param_bytes=leaf_bytes(p), state_bytes=state_bytes(state), note=note,
-        batch_axes=tuple(ax)))
-  return rows
+        path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)),
+        tier=got.tier if got else '-',
+        second_moment=got.estimator.name if got else '-',
+        param_bytes=leaf_bytes(p), state_bytes=state[i],
+        note=got.note if got else 'not updated by the skewadam in `tx`',
+        batch_axes=got.batch_axes if got else ()))
+  return LabelTable(tuple(rows))
 
 
-def format_label_table(rows: list[_labels.LeafReport]) -> str:
-  """`label_table` rows as an aligned, readable text table (notes in the last column)."""
-  header = ('path', 'shape', 'dtype', 'tier', 'batch axes', 'second moment', 'state bytes',
-            'note')
-  body = [(r.path, 'x'.join(map(str, r.shape)) or '()', r.dtype, r.tier,
-           ','.join(map(str, r.batch_axes)) or '-', r.second_moment, f'{r.state_bytes:,}',
-           r.note) for r in rows]
-  widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-  fmt = '  '.join(f'{{:{">" if i == 6 else "<"}{w}}}' for i, w in enumerate(widths))
-  out = [fmt.format(*header).rstrip(), fmt.format(*('-' * w for w in widths))]
-  out += [fmt.format(*row).rstrip() for row in body]
-  total = sum(r.state_bytes for r in rows)
-  unsure = sum(r.note.startswith('UNSURE') for r in rows)
-  out.append(f'{len(rows)} leaves, {total:,} B of optimizer state ({total / GIB:.3f} GiB)'
-             + (f'; {unsure} unsure labels (see note)' if unsure else ''))
-  return '\n'.join(out)
+def format_label_table(rows: Any) -> str:
+  """`label_table` rows as an aligned text table; deprecated: `label_table(...).format()`."""
+  _deprecated('sj.format_label_table(rows)', 'sj.label_table(tx, params).format()')
+  return LabelTable(tuple(rows)).format()

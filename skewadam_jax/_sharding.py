@@ -12,10 +12,11 @@ shardings must be given, and a state leaf does not always have its parameter's r
   which needs every shard to hold whole groups;
 * step counts, hyperparameters and anything not following the params: replicated.
 
-Each statistic's spec comes from the estimator that made it (`SecondMoment.specs`):
-while `state_shardings` traces the optimizer's `init`, every estimator records which
-state leaves are its statistics, of which parameter. State of other optax transforms
-(AdamW's `mu`/`nu`, Adafactor's factors) is matched to the params by shape.
+Each statistic's spec comes from the estimator that made it (`SecondMoment.specs`,
+a spec or a pytree of specs): while `state_shardings` traces the optimizer's `init`
+(`_trace.trace_init`), every estimator records which state leaves are its statistics,
+of which parameter. State of other optax transforms (AdamW's `mu`/`nu`, Adafactor's
+factors) is matched to its parameter by the state walk (`_walk`), its spec by shape.
 
 `optax.tree_utils.tree_map_params` hands every params-shaped subtree the parameter's
 full-rank spec, which is wrong for the reduced statistics (and it cannot even run our
@@ -36,18 +37,15 @@ from jax.sharding import PartitionSpec
 from jax.sharding import Sharding
 
 from skewadam_jax import _checks
-from skewadam_jax import _second_moment
 from skewadam_jax import _paths
+from skewadam_jax import _trace
+from skewadam_jax import _tree
 
 Spec = tuple[Any, ...]  # one PartitionSpec entry per dimension
 
 
 def _is_spec(x: Any) -> bool:
   return x is None or isinstance(x, (PartitionSpec, Sharding))
-
-
-def _is_array_like(x: Any) -> bool:
-  return hasattr(x, 'shape') and hasattr(x, 'dtype')
 
 
 def _padded(spec: Any, ndim: int) -> Spec:
@@ -100,66 +98,24 @@ def _leaf_spec(path: str, param_shape: tuple[int, ...], param_spec: Any, leaf: A
   return _replicated(leaf)  # safe default
 
 
-class _Known:
-  """A state leaf whose spec its estimator gave; the shape-based walk keeps it."""
-
-  def __init__(self, spec: PartitionSpec):
-    self.spec = spec
-
-
 def _replicated(leaf: Any) -> PartitionSpec:
   """The fully replicated spec (of any leaf)."""
   del leaf
   return PartitionSpec()
 
 
-class _Mapper:
-  """Walks an abstract state, giving every array leaf its PartitionSpec."""
-
-  def __init__(self, params: Any, specs: list[Any], mesh: Optional[Mesh]):
-    leaves, self.params_def = _paths.flatten_with_paths(params)
-    self.paths = [path for path, _ in leaves]
-    self.shapes = [tuple(p.shape) for _, p in leaves]
-    self.specs = specs
-    self.mesh = mesh
-    self.params_is_leaf = jax.tree_util.treedef_is_leaf(self.params_def)
-
-  def follow(self, node: Any) -> Any:
-    """Specs of a subtree with the params' structure (masked leaves stay masked).
-
-    Returns None if `node` does not have the params' structure.
-    """
-    try:
-      subtrees = self.params_def.flatten_up_to(node)
-    except (ValueError, TypeError):
-      return None
-    out = []
-    for sub, path, shape, spec in zip(subtrees, self.paths, self.shapes, self.specs):
-      if isinstance(sub, _Known):
-        out.append(sub.spec)
-      elif _is_array_like(sub):
-        out.append(_leaf_spec(path, shape, spec, sub, self.mesh))
-      else:  # optax.MaskedNode, None, or a container of unrelated leaves
-        out.append(jax.tree.map(_replicated, sub))
-    return self.params_def.unflatten(out)
-
-  def __call__(self, node: Any) -> Any:
-    if isinstance(node, _Known):
-      return node.spec
-    if _is_array_like(node):
-      # Only a single-array params tree can be followed by a lone array.
-      followed = self.follow(node) if self.params_is_leaf else None
-      return followed if followed is not None else _replicated(node)
-    if not self.params_is_leaf:
-      followed = self.follow(node)
-      if followed is not None:
-        return followed
-    children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
-    if not children:  # optax.MaskedNode, optax.EmptyState, None
-      return node
-    if len(children) == 1 and children[0] is node:  # a non-array leaf
-      return _replicated(node)
-    return treedef.unflatten([self(child) for child in children])
+def _recorded_spec(param_spec: Any, shape: tuple[int, ...], recorded: tuple[int, Any],
+                   mesh: Optional[Mesh]) -> PartitionSpec:
+  """The spec that a statistic's estimator gives it (`SecondMoment.specs`)."""
+  index, spec_fn = recorded
+  padded = _padded(param_spec, len(shape))
+  # Specs are leaves, and so is None (replicated) in a pytree of statistics' specs.
+  known = jax.tree.leaves(spec_fn(padded, mesh), is_leaf=_is_spec)[index]
+  if known is None:
+    return PartitionSpec()
+  if tuple(known) == padded:  # the parameter's own spec, as the user wrote it
+    return param_spec if isinstance(param_spec, PartitionSpec) else PartitionSpec()
+  return known
 
 
 def _flat_param_specs(params: Any, param_shardings: Any
@@ -227,22 +183,6 @@ def _replicated_sharding(others: list[Sharding], specs: list[Any], mesh: Optiona
   return others[0]
 
 
-def _traced_init(tx: optax.GradientTransformation, params: Any
-                 ) -> tuple[Any, list[Optional[tuple[str, int, Any]]]]:
-  """`jax.eval_shape(tx.init, params)`, and per state leaf what its estimator recorded."""
-  recorded: list[Optional[tuple[str, int, Any]]] = []
-
-  def init(p: Any) -> Any:
-    with _second_moment.recording_specs() as entries:
-      state = tx.init(p)
-    for leaf in jax.tree.leaves(state):
-      entry = entries.get(id(leaf))
-      recorded.append(entry[1:] if entry is not None and entry[0] is leaf else None)
-    return state
-
-  return jax.eval_shape(init, params), recorded
-
-
 def state_shardings(
     tx: optax.GradientTransformation,
     params: Any,
@@ -299,21 +239,18 @@ def state_shardings(
   specs, named_mesh, others = _flat_param_specs(params, param_shardings)
   mesh = mesh if mesh is not None else named_mesh
   replicated = _replicated_sharding(others, specs, mesh)
-  abstract, recorded = _traced_init(tx, params)
-  spec_of = {path: (spec, p.shape) for (path, p), spec in
-             zip(_paths.flatten_with_paths(params)[0], specs)}
-  leaves, treedef = jax.tree.flatten(abstract)
-  for i, entry in enumerate(recorded):
-    if entry is not None and entry[0] in spec_of:
-      path, index, spec_fn = entry
-      param_spec, shape = spec_of[path]
-      padded = _padded(param_spec, len(shape))
-      known = jax.tree.leaves(spec_fn(padded, mesh))[index]
-      if tuple(known) == padded:  # the parameter's own spec, as the user wrote it
-        known = param_spec if isinstance(param_spec, PartitionSpec) else PartitionSpec()
-      leaves[i] = _Known(known)
-  # Leaves that no estimator recorded (other transforms' state) are matched by shape.
-  specs_tree = _Mapper(params, specs, mesh)(treedef.unflatten(leaves))
+  trace = _trace.trace_init(tx, params)
+  shapes = [tuple(_tree.abstract_leaf(p).shape) for p in jax.tree.leaves(params)]
+  out = []
+  for leaf in trace.leaves:
+    i = leaf.param
+    if leaf.recorded is not None:  # a statistic: its estimator knows its spec
+      out.append(_recorded_spec(specs[i], shapes[i], leaf.recorded, mesh))
+    elif i is not None:  # another transform's leaf that follows a parameter: by shape
+      out.append(_leaf_spec(trace.paths[i], shapes[i], specs[i], leaf.leaf, mesh))
+    else:  # step counts, hyperparameters
+      out.append(_replicated(leaf.leaf))
+  specs_tree = jax.tree.structure(trace.state).unflatten(out)
   if replicated is not None:  # all on the same devices, whole: the same sharding
     return jax.tree.map(lambda spec: replicated, specs_tree)
   if mesh is None:

@@ -35,7 +35,7 @@ def paper_params() -> dict:
 
 
 def test_paper_parameter_split():
-  report = sj.memory_report(paper_params(), sj.skewadam(3e-4))
+  report = sj.memory_report(sj.skewadam(3e-4), paper_params())
   by_tier = {t.tier: t.params for t in report.tiers}
   assert by_tier == {'backbone': 341_352_448, 'experts': 6_442_450_944, 'router': 524_288}
   assert report.total_params == 6_784_327_680
@@ -44,11 +44,14 @@ def test_paper_parameter_split():
 def test_skewadam_state_is_exactly_published():
   params = paper_params()
   assert sj.optimizer_state_bytes(sj.skewadam(3e-4, weight_decay=0.1), params) == 1_380_800_000
-  report = sj.memory_report(params, sj.skewadam(3e-4))
+  report = sj.memory_report(sj.skewadam(3e-4), params)
   by_tier = {t.tier: t.state_bytes for t in report.tiers}
   assert by_tier['experts'] == 4 * 128 * 3 * (D + H)
   assert by_tier['router'] == 4 * D * E
   assert report.total_state_bytes == 1_380_800_000
+  # Every state leaf is float32 here; the tiers' int32 step counts are set apart.
+  state = jax.eval_shape(sj.skewadam(3e-4).init, params)
+  assert report.counter_bytes == 4 * sum(x.ndim == 0 for x in jax.tree.leaves(state)) > 0
 
 
 def test_adamw_state_is_eight_bytes_per_parameter():
@@ -70,16 +73,17 @@ def test_adampm_stores_ceil_n_over_8_per_row():
 def test_per_tier_attribution_of_any_optimizer():
   params = {'moe': {'router': S((8, 4), F32), 'experts': {'w1': S((4, 8, 16), F32)}},
             'embed': S((32, 8), F32)}
-  report = sj.memory_report(params, optax.adamw(1e-3))
+  report = sj.memory_report(optax.adamw(1e-3), params)
   by_tier = {t.tier: t.state_bytes for t in report.tiers}
   assert by_tier == {'router': 2 * 4 * 32, 'experts': 2 * 4 * 512, 'backbone': 2 * 4 * 256}
   text = report.format('adamw')
   assert '| experts |' in text and '**total**' in text
 
 
-def test_state_bytes_skip_integer_counts():
+def test_state_bytes_set_step_counters_apart():
   state = sj.skewadam(1e-3).init({'w': jnp.zeros((3, 4))})
   assert sj.state_bytes(state) == 4 * (12 + 3 + 4)
+  assert sj.state_bytes(state, counters=True) == 4 * (12 + 3 + 4) + 4 * 3
   assert _memory.tree_bytes(state, floating_only=False) == 4 * (12 + 3 + 4) + 4 * 3
 
 
@@ -90,10 +94,10 @@ def test_python_float_leaves_count_as_0d_float32_arrays():
   scalar, array = {'w': w, 's': 1.0}, {'w': w, 's': jnp.asarray(1.0)}
   for tx in (sj.skewadam(1e-3), sj.adampm(1e-3), optax.adamw(1e-3)):
     assert sj.optimizer_state_bytes(tx, scalar) == sj.optimizer_state_bytes(tx, array)
-    report, ref = sj.memory_report(scalar, tx), sj.memory_report(array, tx)
+    report, ref = sj.memory_report(tx, scalar), sj.memory_report(tx, array)
     assert report == ref and report.total_params == 17 and report.total_param_bytes == 68
-  rows = sj.label_table(scalar)
+  rows = sj.label_table(sj.skewadam(1e-3), scalar)
   assert [(r.path, r.shape, r.dtype, r.param_bytes) for r in rows] == [
       ('s', (), 'float32', 4), ('w', (4, 4), 'float32', 64)]
-  assert rows == sj.label_table(array)
+  assert rows == sj.label_table(sj.skewadam(1e-3), array)
   assert _memory.leaf_bytes(1.0) == 4 and _memory.leaf_bytes('text') == 0

@@ -319,7 +319,10 @@ def test_learning_rate_of_the_wrong_type_names_the_argument(make):
 def test_memory_report_of_something_not_an_optimizer_names_tx():
   with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation .*got "
                                       r"str 'adam'"):
-    sj.memory_report(PARAMS, 'adam')
+    sj.memory_report(PARAMS, 'adam')  # the order before memory_report(tx, params)
+  with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation .*got "
+                                      r"str 'adam'"):
+    sj.memory_report('adam', PARAMS)
   with pytest.raises(TypeError, match=r'`tx` must be an optax.GradientTransformation'):
     sj.state_shardings('adam', PARAMS, jax.tree.map(lambda _: None, PARAMS))
 
@@ -387,7 +390,7 @@ def test_label_table_checks_each_tier():
 
 @pytest.mark.parametrize('call,right', [
     (lambda tx: sj.optimizer_state_bytes(PARAMS, tx), 'sj.optimizer_state_bytes(tx, params)'),
-    (lambda tx: sj.memory_report(tx, PARAMS), 'sj.memory_report(params, tx)'),
+    (lambda tx: sj.label_table(PARAMS, tx), 'sj.label_table(tx, params)'),
     (lambda tx: sj.state_shardings(PARAMS, tx, None),
      'sj.state_shardings(tx, params, param_shardings)'),
     (lambda tx: sj.sharded_abstract_state(PARAMS, tx, None),

@@ -260,7 +260,7 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
   # Optimizer state is float32 whatever the weights are (as in the published runs).
   abstract = as_float32(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
   opt_state = tx.init(as_float32(params))
-  memory = sj.memory_report(abstract, tx)
+  memory = sj.memory_report(tx, abstract)
   train_step = make_train_step(graphdef, tx, tc.bf16)
   eval_step = make_eval_step(graphdef)
   val_batches = data.val_batches(tc.eval_batches)

@@ -469,7 +469,7 @@ def scale_by_tiers(
     tiers: tier name -> `Tier`, or None for `PUBLISHED_TIERS`.
     param_labels: each leaf's tier name: a pytree matching the params (by structure, as
       a prefix, or by path), or a function of the params (and, at `update`, of the
-      updates) returning one, e.g. `sj.moe_param_labels`.
+      updates) returning one, e.g. `sj.moe_param_labels`; None for its default rules.
     b1: decay rate of the first moment, for tiers whose `b1` is None.
     b2: decay rate of the second-moment statistics.
     eps: floor on the uncorrected second moment (`eps_mode='floor'`) or Adam's
@@ -494,7 +494,7 @@ def scale_by_tiers(
   tiers = check_tiers(tiers)
 
   def labels_of(tree: Any) -> list[str]:
-    labels = param_labels(tree) if _tree.is_function(param_labels) else param_labels
+    labels = _labels.resolve_labels(tree, param_labels)
     return jax.tree_util.tree_leaves(_labels.expand_labels(tree, labels, tiers))
 
   return _tiers_transform(tiers, labels_of, b1, b2, eps, batch_axes)

@@ -154,7 +154,7 @@ def check_groups_fit(path: str, n: int, group_size: int, axis: int, entry: Any, 
         f'{axis}: that axis (length {n}) is sharded over mesh axis {entry!r} into '
         f'{shards} shards of shard length {shard_len}, and a group would straddle two '
         f'shards. Use a group size that divides {shard_len}, pool along an unsharded '
-        'axis (`axis=` / `group_axis=`), or shard this axis differently.')
+        'axis (`group_axis=`), or shard this axis differently.')
 
 
 def _sharded_spec(x: Any) -> Any:

@@ -14,8 +14,9 @@ underscore are internal.
 from skewadam_jax._alias import adampm
 from skewadam_jax._alias import skewadam
 # Their scaling rules, to compose in your own optax chain.
-from skewadam_jax._grouped import scale_by_grouped_second_moment
+from skewadam_jax._adampm import scale_by_grouped_second_moment
 from skewadam_jax._tiered import scale_by_tiered_adam
+from skewadam_jax._tiered import scale_by_tiers
 # Tier configuration: the published policy, ours, and how to change or add a tier.
 from skewadam_jax._tiered import PUBLISHED_TIERS
 from skewadam_jax._tiered import ADAM_EPS_TIERS
@@ -23,7 +24,7 @@ from skewadam_jax._tiered import ADAM_ROUTER_TIERS
 from skewadam_jax._tiered import MUON_TIERS
 from skewadam_jax._tiered import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
-from skewadam_jax._grouped import GroupedSecondMomentState
+from skewadam_jax._adampm import GroupedSecondMomentState
 from skewadam_jax._tiered import TieredAdamState
 # Second-moment estimators: the built-in ones, and the interface of your own.
 from skewadam_jax._exact import Exact
@@ -78,6 +79,7 @@ __all__ = (
     'skewadam',
     'scale_by_grouped_second_moment',
     'scale_by_tiered_adam',
+    'scale_by_tiers',
     # Tiers: the policies and one tier's configuration.
     'ADAM_EPS_TIERS',
     'ADAM_ROUTER_TIERS',

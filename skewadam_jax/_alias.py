@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import jax
 import optax
 
+from skewadam_jax import _adampm
 from skewadam_jax import _axes
 from skewadam_jax import _checks
 from skewadam_jax import _grouped
@@ -58,13 +59,14 @@ def skewadam(
     tiers: Optional[Mapping[str, _tiered.Tier]] = None,
     param_labels: Union[Any, Callable[[Any], Any], None] = None,
     batch_axes: Union[Any, Callable[[Any], Any], None] = None,
+    mask: Union[Any, Callable[[Any], Any], None] = None,
 ) -> optax.GradientTransformation:
   r"""SkewAdam: Adam with optimizer state allocated by parameter tier.
 
   Each leaf is labelled with a tier (`moe_param_labels` by default) and updated by
-  that tier's `scale_by_tiered_adam` rule through `optax.partition`; then decoupled
-  weight decay (on tiers that opt in) and the learning rate apply, exactly as the
-  reference implementation::
+  that tier's rule (`scale_by_tiers`: one state, with one step count, for every tier);
+  then decoupled weight decay (on the leaves of tiers that opt in and that `mask`
+  selects) and the learning rate apply, exactly as the reference implementation::
 
     p <- p - lr * (u + wd * p)
 
@@ -92,6 +94,10 @@ def skewadam(
       matching the params, or a function of the params returning one; default
       `moe_batch_axes` (from paths, shapes and labels). Factored statistics and the
       clip are per batch slice; see `scale_by_tiered_adam`.
+    mask: which leaves weight decay applies to, as in `optax.adamw`: a pytree of bools
+      matching the params (or a prefix of them), or a function of the params returning
+      one. A leaf decays only if `mask` selects it and its tier's `weight_decay` is set;
+      default: every leaf of a tier that decays.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -115,16 +121,14 @@ def skewadam(
   labeler = tier_labeler(tiers, param_labels)
   # The built-in labeler reports unsure subtrees (a stack or a bank?) itself.
   labeler_reports = param_labels is None or isinstance(param_labels, _labels.Labeler)
-  for tier in tiers.values():  # checks the hyperparameters now, not at the first init
-    _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier)
+  _tiered.scale_by_tiers(tiers, None, b1, b2, eps)  # checks the hyperparameters now
   if batch_axes is not None and not _tree.is_function(batch_axes):
     batch_axes_tree = batch_axes
     batch_axes = lambda params: batch_axes_tree  # noqa: E731
 
-  def partition(params: Any) -> optax.GradientTransformation:
+  def tiers_tx(params: Any) -> optax.GradientTransformation:
     # Labels and batch axes come from the whole tree (structure sees a router beside its
-    # experts, every leaf of a scanned stack); each tier's rule then sees only its
-    # leaves, looking its batch axes up by path.
+    # experts, every leaf of a scanned stack).
     labels = labeler(params)
     if batch_axes is None:
       axes = _axes.batch_axes_tree(params, labels, labels_reported=labeler_reports)
@@ -132,20 +136,24 @@ def skewadam(
       with _axes.labels_in_use(params, labels):  # moe_batch_axes(p) in it sees them
         axes = batch_axes(params)
     _trace.record_tiers(params, tiers, param_labels, labels, axes)  # for the reports
-    transforms = {name: _tiered.scale_by_tiered_adam(b1, b2, eps, tier=tier, batch_axes=axes)
-                  for name, tier in tiers.items()}
-    # A function, not the label tree: optax would call a callable tree (an Equinox
-    # module) as the labeler.
-    return optax.partition(transforms, lambda _: labels)
+    # A function, not the label tree: a callable tree (an Equinox module) would be
+    # called as the labeler.
+    return _tiered.scale_by_tiers(tiers, lambda _: labels, b1, b2, eps, batch_axes=axes)
 
   def init_fn(params: Any) -> Any:
-    return partition(params).init(params)
+    return tiers_tx(params).init(params)
 
   def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-    return partition(updates).update(updates, state, params)
+    return tiers_tx(updates).update(updates, state, params)
 
   def decay_mask(params: Any) -> Any:
-    return jax.tree.map(lambda label: tiers[label].weight_decay, labeler(params))
+    flags = jax.tree.map(lambda label: tiers[label].weight_decay, labeler(params))
+    if mask is None:
+      return flags
+    user = mask(params) if _tree.is_function(mask) else mask
+    # The user's mask may be a prefix of the params, as optax.masked allows.
+    return jax.tree.map(lambda m, sub: jax.tree.map(lambda flag: bool(m) and flag, sub),
+                        user, flags)
 
   return optax.chain(
       optax.GradientTransformation(init_fn, update_fn),
@@ -154,41 +162,69 @@ def skewadam(
   )
 
 
+def _keywords_after(n: int, example: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Makes a function whose arguments after the `n`-th are keyword-only say so clearly
+  when called with more positional arguments (instead of Python's bare count)."""
+
+  def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+      if len(args) > n:
+        raise TypeError(
+            f'{fn.__name__}() takes at most {n} positional arguments ({len(args)} given): '
+            'the arguments after `eps` are keyword-only, in the order of optax.adamw '
+            '(eps_root, mu_dtype, weight_decay, mask), since a fifth positional argument '
+            f'meant `weight_decay` before; write e.g. {example}.')
+      return fn(*args, **kwargs)
+    return call
+
+  return wrap
+
+
+@_keywords_after(4, 'sj.adampm(1e-3, weight_decay=0.1)')
 def adampm(
     learning_rate: optax.ScalarOrSchedule,
     b1: Any = 0.9,
     b2: Any = 0.999,
     eps: Any = 1e-8,
-    weight_decay: Any = 0.0,
     *,
-    group_size: int = 8,
-    axis: int = -1,
-    mask: Union[Any, Callable[[Any], Any], None] = None,
+    eps_root: Any = 0.0,
     mu_dtype: Optional[Any] = None,
+    weight_decay: Any = 0.0,
+    mask: Union[Any, Callable[[Any], Any], None] = None,
+    group_size: int = 8,
+    group_axis: Optional[int] = None,
     nu_dtype: Optional[Any] = None,
+    axis: Any = _grouped.UNSET,
 ) -> optax.GradientTransformation:
   r"""AdamPM: AdamW whose second moment is pooled over groups of `group_size`.
 
   `scale_by_grouped_second_moment`, then decoupled weight decay and the learning
   rate, as `optax.adamw`::
 
-    p <- p - lr * ((m / bc1) / (sqrt(expand(nu / bc2)) + eps) + wd * p)
+    p <- p - lr * ((m / bc1) / (sqrt(expand(nu / bc2) + eps_root) + eps) + wd * p)
 
   Same learning rate and betas as Adam; the second moment takes 1/group_size of
-  Adam's memory.
+  Adam's memory. The arguments after `eps` are keyword-only and named (and ordered) as
+  `optax.adamw`'s.
 
   Args:
     learning_rate: a float or an optax schedule.
     b1: first-moment decay rate.
     b2: second-moment decay rate.
     eps: added to the denominator, as in Adam.
+    eps_root: added to the bias-corrected second moment inside the square root, as in
+      `optax.adamw`.
+    mu_dtype: storage dtype of the first moment (default the params').
     weight_decay: decoupled weight decay rate.
-    group_size: elements per pooled group (static int).
-    axis: axis to pool along (static; default the last axis, i.e. along rows).
     mask: which leaves weight decay applies to (a pytree of bools or a function of
       the params), as in `optax.adamw`.
-    mu_dtype: storage dtype of the first moment (default the params').
+    group_size: elements per pooled group (static int).
+    group_axis: axis to pool along (static; negative allowed); None (the default) is
+      the last axis, i.e. along rows. Under `optax.inject_hyperparams`, name it in
+      `static_args` when you pass it.
     nu_dtype: storage dtype of the pooled second moment (default the params').
+    axis: deprecated spelling of `group_axis`.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -204,10 +240,10 @@ def adampm(
   """
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
+  group_axis, axis_arg = _grouped.group_axis_arg(group_axis, axis, 'adampm', stacklevel=4)
   return optax.chain(
-      _grouped.scale_by_grouped_second_moment(
-          b1, b2, eps, group_size=group_size, axis=axis, mu_dtype=mu_dtype,
-          nu_dtype=nu_dtype),
+      _adampm.grouped_adam(b1, b2, eps, eps_root, mu_dtype, group_size, group_axis,
+                           nu_dtype, axis_arg),
       _add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

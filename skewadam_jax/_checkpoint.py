@@ -9,9 +9,11 @@ state that this optimizer never built.
 
 `checkpoint_mismatches(target, metadata)` compares the two trees leaf by leaf, by
 normalised path, shape and dtype, and describes the differences in the optimizer's
-terms: the state fields each side holds (SkewAdam's tiered `count, mu, v_row, v_col,
-v`; AdamPM's and AdamW's `count, mu, nu`), the tier each parameter's state is in, and
-the leaves whose shape or dtype differ. `check_checkpoint_matches` raises a ValueError
+terms: the state fields each side holds (SkewAdam's `count, mu, v_row, v_col, v`;
+AdamPM's and AdamW's `count, mu, nu`), the fields each parameter's state holds on each
+side (and its tier, where the tree names it: a state of tiers composed with
+`optax.partition`, as SkewAdam's before it kept one state for every tier), and the
+leaves whose shape or dtype differ. `check_checkpoint_matches` raises a ValueError
 with that description. Neither reads any array: `metadata` is the checkpoint's
 metadata tree (Orbax: `CheckpointManager.item_metadata(step)` or
 `StandardCheckpointer().metadata(path)`), whose leaves carry `shape` and `dtype`, and
@@ -106,19 +108,20 @@ def _signature(leaves: dict[tuple[str, ...], _Leaf]) -> str:
   if not fields:
     return 'no optimizer state fields'
   kind = f'state fields {", ".join(fields)}'
-  return f'tiers {", ".join(tiers)}; {kind}' if tiers else f'no tiers; {kind}'
+  return f'tiers {", ".join(tiers)}; {kind}' if tiers else kind
 
 
 def _placement(leaves: list[_Leaf]) -> str:
-  """`tier 'experts' (v_row, v_col)`: where one parameter's state is and what it holds."""
+  """`(v_row, v_col)`, or `tier 'experts' (v_row, v_col)` in a state of tiers composed
+  with `optax.partition`: what one parameter's state holds, and where."""
   by_tier: dict[Optional[str], list[str]] = {}
   for leaf in leaves:
     by_tier.setdefault(leaf.tier, []).append(leaf.field[1])
   parts = []
   for tier, fields in sorted(by_tier.items(), key=lambda kv: str(kv[0])):
     fields = sorted(set(fields), key=STATE_FIELDS.index)
-    where = f'tier {tier!r}' if tier is not None else 'the state'
-    parts.append(f'{where} ({", ".join(fields)})')
+    where = f'tier {tier!r} ' if tier is not None else ''
+    parts.append(f'{where}({", ".join(fields)})')
   return ' and '.join(parts)
 
 
@@ -142,8 +145,9 @@ def checkpoint_mismatches(target: Any, metadata: Any) -> list[str]:
 
   Returns:
     Lines of plain text, most telling first: the optimizer state each side holds
-    (tiers and state fields) when they differ, the tier of each parameter whose state
-    moved, leaves only on one side, and leaves whose shape or dtype differ.
+    (its state fields, and tiers where the tree names them) when they differ, the
+    fields of each parameter whose state changed, leaves only on one side, and leaves
+    whose shape or dtype differ.
 
   Example:
     >>> import jax, jax.numpy as jnp, skewadam_jax as sj

@@ -42,7 +42,7 @@ class Exact(_second_moment.SecondMoment):
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> _second_moment.SecondMoment:
-    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    batch_axes = _second_moment.Layout.of(len(shape), batch_axes).batch
     return self if batch_axes == self.batch_axes else Exact(batch_axes)
 
   def init(self, param: Any, path: str) -> Stats:
@@ -61,8 +61,8 @@ class Exact(_second_moment.SecondMoment):
       return x_.astype(jnp.float32) * scale / (jnp.sqrt(v_ / bc2_) + eps_)
 
     operands = (x, v, step.num_scale, jnp.asarray(step.eps, jnp.float32), step.bc2)
-    return _second_moment.clipped(u_of, operands, g.ndim, step.clip, self.batch_axes), {
-        'v': v}
+    layout = _second_moment.Layout.of(g.ndim, self.batch_axes)
+    return _second_moment.clipped(u_of, operands, layout, step.clip), {'v': v}
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Mapping, Optional
 
 import jax
@@ -41,6 +40,7 @@ from jax.sharding import PartitionSpec
 from skewadam_jax import _exact
 from skewadam_jax import _second_moment
 from skewadam_jax import _xla
+from skewadam_jax._second_moment import Layout
 from skewadam_jax._second_moment import Spec
 from skewadam_jax._second_moment import Stats
 from skewadam_jax._second_moment import Step
@@ -68,41 +68,24 @@ def is_factored(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = 
   return len(_second_moment.matrix_axes(len(shape), batch_axes)) >= 2
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Where the rows and the column of a leaf's matrices sit, for any batch axes."""
-  ndim: int
-  rows: tuple[int, ...]  # the row axes, in the leaf
-  col: int  # the column axis, in the leaf
+def _rows_in_v_row(layout: Layout) -> tuple[int, ...]:
+  """The row axes in `v_row` (the leaf without its column axis)."""
+  return tuple(a - (a > layout.col) for a in layout.rows)
 
-  @classmethod
-  def of(cls, ndim: int, batch_axes: Optional[tuple[int, ...]]) -> _Layout:
-    """The layout for `batch_axes` (None: every axis before the last two)."""
-    if batch_axes is None:
-      batch_axes = tuple(range(ndim - 2))
-    matrix = _second_moment.matrix_axes(ndim, batch_axes)
-    return cls(ndim, matrix[:-1], matrix[-1])
 
-  @property
-  def batch(self) -> tuple[int, ...]:
-    """The batch axes, in the leaf."""
-    return tuple(a for a in range(self.ndim) if a not in self.rows + (self.col,))
+def _row_factor(layout: Layout, a: jax.Array) -> jax.Array:
+  """A `v_row`-shaped array, broadcastable against the leaf."""
+  return jnp.expand_dims(a, layout.col)
 
-  @property
-  def rows_in_v_row(self) -> tuple[int, ...]:
-    """The row axes in `v_row` (the leaf without its column axis)."""
-    return tuple(a - (a > self.col) for a in self.rows)
 
-  def row_factor(self, a: jax.Array) -> jax.Array:
-    """A `v_row`-shaped array, broadcastable against the leaf."""
-    return jnp.expand_dims(a, self.col)
+def _col_factor(layout: Layout, a: jax.Array) -> jax.Array:
+  """A `v_col`-shaped array, broadcastable against the leaf."""
+  return jnp.expand_dims(a, layout.rows)
 
-  def col_factor(self, a: jax.Array) -> jax.Array:
-    """A `v_col`-shaped array, broadcastable against the leaf."""
-    return jnp.expand_dims(a, self.rows)
 
-  def drop(self, spec: Spec, axes: tuple[int, ...]) -> PartitionSpec:
-    return PartitionSpec(*(e for i, e in enumerate(spec) if i not in axes))
+def _drop(spec: Spec, axes: tuple[int, ...]) -> PartitionSpec:
+  """`spec` without the entries of `axes`."""
+  return PartitionSpec(*(e for i, e in enumerate(spec) if i not in axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +102,13 @@ class Factored(_second_moment.SecondMoment):
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> _second_moment.SecondMoment:
-    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    batch_axes = Layout.of(len(shape), batch_axes).batch
     if not is_factored(shape, batch_axes):
       return _exact.Exact(batch_axes)
     return self if batch_axes == self.batch_axes else Factored(batch_axes)
 
-  def _layout(self, ndim: int) -> _Layout:
-    return _Layout.of(ndim, self.batch_axes)
+  def _layout(self, ndim: int) -> Layout:
+    return Layout.of(ndim, self.batch_axes)
 
   def init(self, param: Any, path: str) -> Stats:
     del path
@@ -146,7 +129,7 @@ class Factored(_second_moment.SecondMoment):
                                                                   axis=layout.col)
     v_col = step.b2 * stats['v_col'] + (1.0 - step.b2) * jnp.mean(g_col * g_col,
                                                                   axis=layout.rows)
-    mean = jnp.mean(v_row, axis=layout.rows_in_v_row, keepdims=True)
+    mean = jnp.mean(v_row, axis=_rows_in_v_row(layout), keepdims=True)
     rows = v_row / jnp.maximum(mean, ROW_MEAN_FLOOR)
     new = {'v_row': v_row, 'v_col': v_col}
     if step.floor:
@@ -155,19 +138,19 @@ class Factored(_second_moment.SecondMoment):
     def u_of(x_, row_d, col_d, scale, eps_):
       return x_.astype(jnp.float32) * scale / (row_d * col_d + eps_)
 
-    operands = (x, layout.row_factor(jnp.sqrt(rows)),
-                layout.col_factor(jnp.sqrt(v_col / step.bc2)), step.num_scale,
+    operands = (x, _row_factor(layout, jnp.sqrt(rows)),
+                _col_factor(layout, jnp.sqrt(v_col / step.bc2)), step.num_scale,
                 jnp.asarray(step.eps, jnp.float32))
-    return _second_moment.clipped(u_of, operands, g.ndim, step.clip, layout.batch), new
+    return _second_moment.clipped(u_of, operands, layout, step.clip), new
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:
     del mesh, path
     layout = self._layout(len(shape))
-    return {'v_row': layout.drop(spec, (layout.col,)), 'v_col': layout.drop(spec, layout.rows)}
+    return {'v_row': _drop(spec, (layout.col,)), 'v_col': _drop(spec, layout.rows)}
 
 
-def _separable_update(layout: _Layout, x: jax.Array, rows: jax.Array, v_col: jax.Array,
+def _separable_update(layout: Layout, x: jax.Array, rows: jax.Array, v_col: jax.Array,
                       step: Step) -> jax.Array:
   """`u = x num_scale a_i b_j` with the floored factors, RMS-clipped per matrix.
 
@@ -179,14 +162,14 @@ def _separable_update(layout: _Layout, x: jax.Array, rows: jax.Array, v_col: jax
   if step.clip is not None:
     # The barrier keeps XLA from sharing this pass's products with the final pass.
     xb, cb = _xla.cpu_barrier((x, col_inv))
-    sumsq = jnp.sum(jnp.square(xb.astype(jnp.float32) * layout.col_factor(cb)),
+    sumsq = jnp.sum(jnp.square(xb.astype(jnp.float32) * _col_factor(layout, cb)),
                     axis=layout.col)
     sumsq = _xla.cpu_fusion_boundary(sumsq)
-    size = math.prod(x.shape[a] for a in layout.rows + (layout.col,))
-    ms = jnp.sum(sumsq * jnp.square(row_scale), axis=layout.rows_in_v_row,
+    size = layout.matrix_size(x.shape)
+    ms = jnp.sum(sumsq * jnp.square(row_scale), axis=_rows_in_v_row(layout),
                  keepdims=True) / size
     row_scale = row_scale / jnp.maximum(1.0, jnp.sqrt(ms) / step.clip)
-  return x.astype(jnp.float32) * layout.row_factor(row_scale) * layout.col_factor(col_inv)
+  return x.astype(jnp.float32) * _row_factor(layout, row_scale) * _col_factor(layout, col_inv)
 
 
 FACTORED = Factored()

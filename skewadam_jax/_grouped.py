@@ -14,8 +14,9 @@ group value `s` times and crops. Pooling and the moving average are both linear,
 `nu` equals `groupmean_s` of Adam's `v` exactly, and `s = 1` is Adam.
 
 One implementation serves both users: `Grouped` is the estimator of a `'grouped'`
-SkewAdam tier, and `scale_by_grouped_second_moment` (AdamPM) is momentum plus the same
-estimator, with Adam's `(m / bc1) / (sqrt(nu_hat) + eps)`.
+SkewAdam tier, and AdamPM's `scale_by_grouped_second_moment` (in `_adampm`) is
+momentum plus the same estimator. This module also holds the pooling itself
+(`groupmean`, `expand_groups`) and its sharding checks.
 
 References:
   AdamPM: Adam with a pooled second moment (Beihang University preprint).
@@ -26,25 +27,41 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple, Optional
+import warnings
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
 from skewadam_jax import _checks
 from skewadam_jax import _exact
-from skewadam_jax import _flax
-from skewadam_jax import _paths
 from skewadam_jax import _second_moment
-from skewadam_jax import _tree
 from skewadam_jax import _xla
+from skewadam_jax._second_moment import Layout
 from skewadam_jax._second_moment import Spec
 from skewadam_jax._second_moment import Stats
 from skewadam_jax._second_moment import Step
+
+
+# Stands for "not given" where None is a value that must raise (e.g. `axis=None`).
+UNSET: Any = object()
+
+
+def group_axis_arg(group_axis: Any, axis: Any, where: str, stacklevel: int = 3
+                   ) -> tuple[Any, str]:
+  """The pooled axis from `group_axis=` or the deprecated `axis=` (warned about), and
+  the name of the argument it came from (for error messages)."""
+  if axis is UNSET:
+    # None: the last axis. A default that is not a number keeps the argument out of
+    # `optax.inject_hyperparams`' traced hyperparameters unless a user passes it.
+    return -1 if group_axis is None else group_axis, 'group_axis'
+  warnings.warn(f'`{where}(axis=...)` is deprecated: use `group_axis=`, as `Tier`, '
+                '`Grouped`, `adampm` and `scale_by_grouped_second_moment` do.',
+                DeprecationWarning, stacklevel=stacklevel)
+  return axis, 'axis'
 
 
 def num_groups(n: int, group_size: int) -> int:
@@ -67,6 +84,14 @@ def resolve_axis(ndim: int, axis: int, path: str = 'leaf', name: str = 'axis'
     raise ValueError(
         f'`{name}`={axis} is out of range for parameter {path} with {ndim} dimensions; '
         f'allowed values are {-ndim}..{ndim - 1}.')
+  return axis % ndim
+
+
+def array_axis(axis: int, ndim: int) -> int:
+  """`axis` of an array with `ndim` dimensions as a non-negative int (checked)."""
+  if not -ndim <= axis < ndim:
+    raise ValueError(f'`axis`={axis} is out of range for an array with {ndim} dimensions; '
+                     f'allowed values are {-ndim}..{ndim - 1}.')
   return axis % ndim
 
 
@@ -129,7 +154,7 @@ def check_groups_fit(path: str, n: int, group_size: int, axis: int, entry: Any, 
         f'{axis}: that axis (length {n}) is sharded over mesh axis {entry!r} into '
         f'{shards} shards of shard length {shard_len}, and a group would straddle two '
         f'shards. Use a group size that divides {shard_len}, pool along an unsharded '
-        'axis (`axis=` / `group_axis=`), or shard this axis differently.')
+        'axis (`group_axis=`), or shard this axis differently.')
 
 
 def _sharded_spec(x: Any) -> Any:
@@ -168,13 +193,15 @@ def groupmean(x: jax.Array, group_size: int, axis: Optional[int]) -> jax.Array:
   Args:
     x: array to pool.
     group_size: elements per group (static).
-    axis: non-negative axis to pool along, or None for no pooling (0-d leaves).
+    axis: axis to pool along (negative counts from the end), or None for no pooling
+      (0-d leaves).
 
   Returns:
     An array with `axis` shortened to ceil(n / group_size).
   """
   if axis is None or group_size == 1:
     return x
+  axis = array_axis(axis, x.ndim)
   # On an Explicit-sharded axis the reshape below stays shard-local (no out_sharding
   # needed) as long as every shard holds whole groups; otherwise raise a clear error.
   check_whole_groups(x, group_size, axis)
@@ -233,9 +260,11 @@ def zero_grouped(p: jax.Array, group_size: int, axis: Optional[int], dtype: Any
 
 def expand_groups(nu: jax.Array, group_size: int, axis: Optional[int], n: int
                   ) -> jax.Array:
-  """Repeats each group value `group_size` times along `axis` and crops to `n`."""
+  """Repeats each group value `group_size` times along `axis` (negative counts from the
+  end) and crops to `n`."""
   if axis is None or group_size == 1:
     return nu
+  axis = array_axis(axis, nu.ndim)
   if axis_shards(nu, axis)[0] is not None:  # named in an Explicit spec, even if 1 shard
     return _expand_groups_sharded(nu, group_size, axis)
   # A gather with iota indices fuses into the consumer's loop in XLA, unlike
@@ -251,25 +280,26 @@ def _group_counts(n: int, group_size: int, ndim_after: int) -> np.ndarray:
 
 
 def _pooled_clip_divisor(pooled_sq: jax.Array, denom: jax.Array, num_scale: Any,
-                         shape: tuple[int, ...], axis: int, group_size: int, clip: float
-                         ) -> jax.Array:
-  """`max(1, rms(u) / clip)` of `u = g * num_scale / expand(denom)` from pooled arrays.
+                         shape: tuple[int, ...], axis: int, group_size: int, clip: float,
+                         layout: Layout) -> jax.Array:
+  """`max(1, rms(u) / clip)` of `u = g * num_scale / expand(denom)` from pooled arrays,
+  per matrix of `layout` (the pooled `axis` one of its matrix axes).
 
   `pooled_sq` is the group mean of `g^2`, so `pooled_sq * count` is the group's sum of
   squares; no pass over the full-size leaf is needed.
   """
   counts = _group_counts(shape[axis], group_size, len(shape) - axis - 1)
   terms = pooled_sq * jnp.asarray(counts) * jnp.square(num_scale / denom)
-  axes = (-2, -1) if len(shape) >= 2 else None
-  size = shape[-2] * shape[-1] if len(shape) >= 2 else max(int(np.prod(shape)), 1)
-  rms = jnp.sqrt(jnp.sum(terms, axis=axes, keepdims=len(shape) >= 2) / size)
+  rms = jnp.sqrt(jnp.sum(terms, axis=layout.matrix, keepdims=True)
+                 / layout.matrix_size(shape))
   return jnp.maximum(1.0, rms / clip)
 
 
 def _reshaped_clip_divisor(x: jax.Array, denom: jax.Array, num_scale: Any,
-                           shape: tuple[int, ...], axis: int, group_size: int, clip: float
-                           ) -> jax.Array:
-  """`max(1, rms(u) / clip)` of `u = x * num_scale / expand(denom)`, when groups divide.
+                           shape: tuple[int, ...], axis: int, group_size: int, clip: float,
+                           layout: Layout) -> jax.Array:
+  """`max(1, rms(u) / clip)` of `u = x * num_scale / expand(denom)` per matrix of
+  `layout`, when groups divide the pooled `axis` (one of its matrix axes).
 
   The expansion is a broadcast over a reshape `[..., n / s, s, ...]`, which XLA keeps
   inside the reduction, so nothing of the leaf's size is materialised.
@@ -279,8 +309,10 @@ def _reshaped_clip_divisor(x: jax.Array, denom: jax.Array, num_scale: Any,
   grouped = x.reshape(shape[:axis] + (n // s, s) + shape[axis + 1:]).astype(jnp.float32)
   u = grouped * num_scale / jnp.expand_dims(denom, axis + 1)
   if len(shape) >= 2:
-    ms = jnp.sum(u * u, axis=(-3, -2, -1)) / (shape[-2] * shape[-1])
-    ms = ms.reshape(shape[:-2] + (1, 1))
+    # The matrix axes in the reshaped array, where `axis` is split in two.
+    split = sorted([a + (a > axis) for a in layout.matrix] + [axis + 1])
+    ms = jnp.sum(u * u, axis=tuple(split)) / layout.matrix_size(shape)
+    ms = jnp.expand_dims(ms, layout.matrix)
   else:
     ms = jnp.mean(u * u)
   return jnp.maximum(1.0, jnp.sqrt(ms) / clip)
@@ -292,32 +324,39 @@ class Grouped(_second_moment.SecondMoment):
 
   Attributes:
     group_size: elements per group (static positive int).
-    axis: the axis pooled along (negative allowed); 1-D leaves are pooled along their
-      only axis, and 0-d leaves get the exact estimator.
-    axis_arg: the argument name that `axis` came from, for error messages.
+    group_axis: the axis pooled along (negative allowed); 1-D leaves are pooled along
+      their only axis, and 0-d leaves get the exact estimator.
+    axis_arg: the argument name that `group_axis` came from, for error messages.
+    batch_axes: the leaf's batch axes; `for_leaf` sets them per leaf.
+    axis: deprecated spelling of `group_axis` (an init argument only).
   """
 
   group_size: int = 8
-  axis: int = -1
-  axis_arg: str = dataclasses.field(default='axis', compare=False)
+  group_axis: int = -1
+  axis_arg: str = dataclasses.field(default='group_axis', compare=False)
   batch_axes: Optional[tuple[int, ...]] = None  # per leaf (`for_leaf`); None: default
+  axis: dataclasses.InitVar[Any] = UNSET
   name = 'grouped'
 
-  def __post_init__(self):
+  def __post_init__(self, axis: Any):
+    if axis is not UNSET:
+      group_axis, axis_arg = group_axis_arg(self.group_axis, axis, 'Grouped', stacklevel=4)
+      object.__setattr__(self, 'group_axis', group_axis)
+      object.__setattr__(self, 'axis_arg', axis_arg)
     _checks.check_positive_int('group_size', self.group_size)
-    _checks.check_axis(self.axis, self.axis_arg)
+    _checks.check_axis(self.group_axis, self.axis_arg)
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> _second_moment.SecondMoment:
     if len(shape) < 1:
       return _exact.EXACT
-    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    batch_axes = Layout.of(len(shape), batch_axes).batch
     return self if batch_axes == self.batch_axes else dataclasses.replace(
         self, batch_axes=batch_axes)
 
   def leaf_axis(self, shape: tuple[int, ...], path: str) -> Optional[int]:
     """The non-negative axis a leaf of `shape` is pooled along (None for 0-d)."""
-    return resolve_axis(len(shape), self.axis, path, self.axis_arg)
+    return resolve_axis(len(shape), self.group_axis, path, self.axis_arg)
 
   def init(self, param: Any, path: str, dtype: Any = jnp.float32) -> Stats:
     ax = self.leaf_axis(tuple(param.shape), path)
@@ -353,23 +392,21 @@ class Grouped(_second_moment.SecondMoment):
                     shape: tuple[int, ...], step: Step) -> jax.Array:
     """`max(1, rms(u) / clip)` per matrix, from pooled arrays where the layout allows."""
     ax, s = self.leaf_axis(shape, step.path), self.group_size
-    if self.batch_axes is not None:  # slices other than the last two axes: the general path
-      expand = functools.partial(self.expand, shape=shape, path=step.path)
-      return _second_moment.clip_divisor(
-          lambda x_, d, scale: x_.astype(jnp.float32) * scale / expand(d),
-          (x, denom, step.num_scale), len(shape), step.clip, self.batch_axes)
-    inside = len(shape) < 2 or ax >= len(shape) - 2  # groups lie inside one matrix
+    layout = Layout.of(len(shape), self.batch_axes)
+    inside = ax in layout.matrix  # groups lie inside one matrix
     if inside and step.x_is_grad:
       # sum(u^2) = sum over groups of num_scale^2 * (sum of g^2 in the group) / denom^2:
       # the statistic itself gives it, no pass over the leaf is needed.
-      return _pooled_clip_divisor(pooled_sq, denom, step.num_scale, shape, ax, s, step.clip)
+      return _pooled_clip_divisor(pooled_sq, denom, step.num_scale, shape, ax, s, step.clip,
+                                  layout)
     if inside and shape[ax] % s == 0:
-      return _reshaped_clip_divisor(x, denom, step.num_scale, shape, ax, s, step.clip)
+      return _reshaped_clip_divisor(x, denom, step.num_scale, shape, ax, s, step.clip,
+                                    layout)
     # u recomputed in the reduction (expand is a gather there: a full-size temporary).
     expand = functools.partial(self.expand, shape=shape, path=step.path)
     return _second_moment.clip_divisor(
         lambda x_, d, scale: x_.astype(jnp.float32) * scale / expand(d),
-        (x, denom, step.num_scale), len(shape), step.clip)
+        (x, denom, step.num_scale), layout, step.clip)
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:
@@ -380,114 +417,3 @@ class Grouped(_second_moment.SecondMoment):
       shards = int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
       check_groups_fit(path, shape[ax], self.group_size, ax, entry, shards)
     return {'v': PartitionSpec(*spec)}
-
-
-class GroupedSecondMomentState(NamedTuple):
-  """State of `scale_by_grouped_second_moment`."""
-  count: jax.Array  # shape=(), int32: number of updates applied so far.
-  mu: optax.Updates  # like params, dtype mu_dtype (params' dtype by default).
-  nu: optax.Updates  # like params with `axis` shortened to ceil(n / group_size).
-
-
-def scale_by_grouped_second_moment(
-    b1: Any = 0.9,
-    b2: Any = 0.999,
-    eps: Any = 1e-8,
-    *,
-    group_size: int = 8,
-    axis: int = -1,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
-) -> optax.GradientTransformationExtraArgs:
-  r"""Rescales updates by Adam with a second moment pooled over groups (AdamPM).
-
-  With `groupmean_s` the mean over runs of `s` neighbouring elements along `axis`
-  and `expand_s` its inverse (repeat each group value `s` times, crop)::
-
-    m  <- b1 * m + (1 - b1) * g
-    nu <- b2 * nu + (1 - b2) * groupmean_s(g^2)
-    u  =  (m / (1 - b1^t)) / (sqrt(expand_s(nu / (1 - b2^t))) + eps)
-
-  Pooling and the moving average are both linear, so `nu` equals
-  `groupmean_s` of Adam's second moment exactly; with `group_size=1` this is Adam.
-  0-d leaves keep an exact second moment; 1-D leaves are pooled along their only axis.
-
-  Args:
-    b1: decay rate of the first moment.
-    b2: decay rate of the pooled second moment.
-    eps: term added to the denominator, as in Adam.
-    group_size: elements per group (static positive int).
-    axis: axis along which neighbours are pooled (static; negative allowed). The
-      default pools along rows (the last axis).
-    mu_dtype: dtype the first moment is stored in; default the parameters' dtype.
-    nu_dtype: dtype the pooled second moment is stored in; default the parameters'.
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` (extra `update` keywords are ignored).
-
-  Example:
-    >>> import jax.numpy as jnp, optax, skewadam_jax as sj
-    >>> tx = optax.chain(sj.scale_by_grouped_second_moment(group_size=8),
-    ...                  optax.scale(-1e-3))
-    >>> state = tx.init({'w': jnp.zeros((4, 16))})
-    >>> state[0].nu['w'].shape
-    (4, 2)
-
-  References:
-    AdamPM: Adam with a pooled second moment (Beihang University preprint).
-    Kingma & Ba, Adam: A Method for Stochastic Optimization, 2015.
-  """
-  _checks.check_beta('b1', b1)
-  _checks.check_beta('b2', b2)
-  _checks.check_non_negative('eps', eps)
-  group_size = _checks.check_positive_int('group_size', group_size)
-  axis = _checks.check_axis(axis)
-  mu_dtype = _checks.check_float_dtype('mu_dtype', mu_dtype)
-  nu_dtype = _checks.check_float_dtype('nu_dtype', nu_dtype)
-  estimator = Grouped(group_size, axis)
-
-  def init_fn(params):
-    leaves, treedef = _paths.flatten_with_paths(params)
-    mus, nus = [], []
-    for path, p in leaves:
-      p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
-      _checks.check_float_leaf(path, p.dtype, 'scale_by_grouped_second_moment')
-      mus.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
-      nus.append(estimator.init(p, path, dtype=nu_dtype or p.dtype)['v'])
-      _second_moment.record_leaf(path, estimator, tuple(p.shape), mus[-1], {'v': nus[-1]})
-    # Flax boxes of `nu` name the axes it keeps (pooling keeps them all: the param's).
-    nu = _flax.rename_boxes(
-        params, treedef.unflatten(nus), lambda path, shape, names: _flax.spec_names(
-            estimator.specs(names, shape, None, path)['v']))
-    return GroupedSecondMomentState(
-        count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mus), nu=nu)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args  # unused; accepted so that the transform chains like optax's
-    leaves, treedef = _paths.flatten_with_paths(updates)
-    mus = treedef.flatten_up_to(state.mu)
-    nus = treedef.flatten_up_to(state.nu)
-    count = optax.safe_increment(state.count)
-    t = count.astype(jnp.float32)
-    bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
-    bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
-    new_u, new_mu, new_nu = [], [], []
-    for (path, g), mu, nu in zip(leaves, mus, nus):
-      g = _tree.as_array(g)  # a Python scalar gradient is a 0-d array, as in optax
-      # At trace time: a gradient of another shape would broadcast into the update.
-      _checks.check_grad_shape(path, tuple(g.shape), mu.shape, 'its momentum')
-      g32 = g.astype(jnp.float32)
-      # The update reads the stored (cast) moments, so that the final fused pass
-      # consumes the new state instead of recomputing it from the old one (which would
-      # make XLA keep a copy of the old state, and re-pool g^2 per element). With
-      # float32 state (the default for float32 parameters) the casts are no-ops.
-      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32).astype(mu.dtype)
-      nu32, _ = estimator.accumulate(nu, g32, b2, path)
-      denom = estimator.expand(jnp.sqrt(nu32 / bc2) + eps, tuple(g.shape), path)
-      new_u.append(((mu.astype(jnp.float32) / bc1) / denom).astype(g.dtype))
-      new_mu.append(mu)
-      new_nu.append(nu32.astype(nu.dtype))
-    return treedef.unflatten(new_u), GroupedSecondMomentState(
-        count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -128,7 +128,7 @@ class Orthogonal(_second_moment.SecondMoment):
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> _second_moment.SecondMoment:
-    batch_axes = _second_moment.normalise_batch_axes(batch_axes, shape, 'leaf')
+    batch_axes = _second_moment.Layout.of(len(shape), batch_axes).batch
     if len(_second_moment.matrix_axes(len(shape), batch_axes)) < 2:
       if self.fallback is None:
         return _NoMatrix(tuple(shape), batch_axes)
@@ -143,7 +143,8 @@ class Orthogonal(_second_moment.SecondMoment):
   def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
              ) -> tuple[jax.Array, Stats]:
     del g, stats
-    batch, rows, col = _layout(x.ndim, self.batch_axes)
+    layout = _second_moment.Layout.of(x.ndim, self.batch_axes)
+    batch, rows, col = layout.batch, layout.rows, layout.col
     r = math.prod(x.shape[a] for a in rows)
     c = x.shape[col]
     # The floor mode's sqrt(bc2) only rescales `x`, which the normalisation undoes.
@@ -155,8 +156,7 @@ class Orthogonal(_second_moment.SecondMoment):
              else math.sqrt(max(1.0, c / r)))
     u = jnp.transpose((o * scale).reshape(tuple(x.shape[a] for a in perm)),
                       _inverse(perm))
-    return _second_moment.clipped(lambda u_: u_, (u,), x.ndim, step.clip,
-                                  self.batch_axes), {}
+    return _second_moment.clipped(lambda u_: u_, (u,), layout, step.clip), {}
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:
@@ -183,14 +183,6 @@ class _NoMatrix(_second_moment.SecondMoment):
   def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
              ) -> tuple[jax.Array, Stats]:  # pragma: no cover - init raises first
     raise AssertionError('unreachable: init rejects the leaf')
-
-
-def _layout(ndim: int, batch_axes: Optional[tuple[int, ...]]
-            ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-  """`(batch axes, row axes, column axis)` of a leaf, as `Factored` lays it out."""
-  batch = _second_moment.default_batch_axes(ndim) if batch_axes is None else batch_axes
-  matrix = _second_moment.matrix_axes(ndim, batch)
-  return tuple(batch), matrix[:-1], matrix[-1]
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
+import math
 import threading
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional
 
@@ -69,9 +71,11 @@ class SecondMoment(abc.ABC):
     """The estimator a leaf of `shape` gets (e.g. `Factored` gives 1-D leaves `Exact`).
 
     `batch_axes` are the leaf's axes that index independent matrices (a scanned layer
-    axis, the expert axis), sorted and non-negative; None means the default, every axis
-    before the last two. An estimator must keep its statistics and its clip separate
-    along them. The default ignores them (override it to honour them).
+    axis, the expert axis), sorted and non-negative, as the tier normalised them (the
+    default layout is every axis before the last two; None, from a direct call, means
+    it too). An estimator must keep its statistics and its clip separate along them
+    (`Layout` gives the axes to reduce over). The default ignores them (override it to
+    honour them).
     """
     del shape, batch_axes
     return self
@@ -114,18 +118,19 @@ def matrix_axes(ndim: int, batch_axes: Optional[tuple[int, ...]]) -> tuple[int, 
 
 
 def normalise_batch_axes(batch_axes: Any, shape: tuple[int, ...], path: str
-                         ) -> Optional[tuple[int, ...]]:
-  """`batch_axes` checked against `shape`: sorted non-negative ints, or None (default).
+                         ) -> tuple[int, ...]:
+  """`batch_axes` checked against `shape`, as sorted non-negative ints.
 
-  The default layout (every axis before the last two) is returned as None, so leaves
-  in today's layout keep the estimators' original code path.
+  None gives the default layout (every axis before the last two). The tier normalises
+  each leaf's batch axes once, naming the leaf by its path in errors; estimators get
+  the explicit tuple.
 
   Raises:
     TypeError: if `batch_axes` is not None or a sequence of ints.
     ValueError: if an axis is out of range for the leaf or repeated.
   """
   if batch_axes is None:
-    return None
+    return default_batch_axes(len(shape))
   if isinstance(batch_axes, (str, bytes)) or not hasattr(batch_axes, '__iter__'):
     raise TypeError(f'`batch_axes` of {path} must be a tuple of ints (or None for the '
                     f'default), got {batch_axes!r}.')
@@ -139,13 +144,51 @@ def normalise_batch_axes(batch_axes: Any, shape: tuple[int, ...], path: str
   normal = tuple(sorted(a % ndim for a in axes))
   if len(set(normal)) != len(normal):
     raise ValueError(f'`batch_axes` {axes} of {path} name an axis twice.')
-  return None if normal == default_batch_axes(ndim) else normal
+  return normal
 
 
-def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim: int,
-                 clip: float, batch_axes: Optional[tuple[int, ...]] = None) -> jax.Array:
-  """`max(1, rms(u) / clip)`, rms per batch slice (default: over the last two axes, the
-  whole leaf if ndim < 2).
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A leaf's geometry: the batch axes that index its independent matrices (a scanned
+  layer axis, the expert axis), and the matrix axes, the others: its rows, then its
+  column axis (the last of them). Every per-matrix reduction of an estimator (its
+  statistics, the RMS clip) reduces over `matrix`.
+
+  Attributes:
+    ndim: the leaf's number of dimensions.
+    batch: the batch axes, sorted and non-negative.
+  """
+  ndim: int
+  batch: tuple[int, ...]
+
+  @classmethod
+  def of(cls, ndim: int, batch_axes: Optional[tuple[int, ...]] = None) -> Layout:
+    """The layout of a leaf with `batch_axes` (sorted, non-negative; None: default)."""
+    return cls(ndim, default_batch_axes(ndim) if batch_axes is None else tuple(batch_axes))
+
+  @property
+  def matrix(self) -> tuple[int, ...]:
+    """The axes of each matrix (of each vector, or of the scalar, for ndim < 2)."""
+    return tuple(a for a in range(self.ndim) if a not in self.batch)
+
+  @property
+  def rows(self) -> tuple[int, ...]:
+    """The row axes: the matrix axes but the last."""
+    return self.matrix[:-1]
+
+  @property
+  def col(self) -> int:
+    """The column axis: the last matrix axis."""
+    return self.matrix[-1]
+
+  def matrix_size(self, shape: tuple[int, ...]) -> int:
+    """Elements per matrix of a leaf of `shape`."""
+    return math.prod(shape[a] for a in self.matrix)
+
+
+def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], layout: Layout,
+                 clip: float) -> jax.Array:
+  """`max(1, rms(u) / clip)`, rms per matrix of `layout` (keeping its axes).
 
   `u = u_of(*operands)` is recomputed inside the reduction from operands passed through
   an optimisation barrier on the CPU: without it XLA:CPU materialises the full-size `u` that feeds
@@ -153,22 +196,16 @@ def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim
   operands too, or XLA materialises their full-size broadcast, shared by both passes.
   """
   u = u_of(*_xla.cpu_barrier(operands))
-  if batch_axes is None:
-    axes = (-2, -1) if ndim >= 2 else None
-    keep = ndim >= 2
-  else:
-    axes, keep = matrix_axes(ndim, batch_axes), True
-  rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=keep))
+  rms = jnp.sqrt(jnp.mean(u * u, axis=layout.matrix, keepdims=True))
   return jnp.maximum(1.0, rms / clip)
 
 
-def clipped(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], ndim: int,
-            clip: Optional[float], batch_axes: Optional[tuple[int, ...]] = None
-            ) -> jax.Array:
-  """`u = u_of(*operands)`, RMS-clipped per batch slice when `clip` is set."""
+def clipped(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], layout: Layout,
+            clip: Optional[float]) -> jax.Array:
+  """`u = u_of(*operands)`, RMS-clipped per matrix of `layout` when `clip` is set."""
   u = u_of(*operands)
   if clip is not None:
-    u = u / clip_divisor(u_of, operands, ndim, clip, batch_axes)
+    u = u / clip_divisor(u_of, operands, layout, clip)
   return u
 
 

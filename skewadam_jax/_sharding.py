@@ -232,7 +232,7 @@ def state_shardings(
     >>> params = {'experts': {'w1': jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)}}
     >>> specs = {'experts': {'w1': P('expert', None, 'data')}}
     >>> shardings = sj.state_shardings(sj.skewadam(1e-3), params, specs)
-    >>> shardings[0].inner_states['experts'].inner_state.v_row['experts']['w1']
+    >>> shardings[0].v_row['experts']['w1']
     P('expert', None)
   """
   _checks.check_transform(tx, params, 'sj.state_shardings(tx, params, param_shardings)')

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,10 @@ from skewadam_jax import _exact
 from skewadam_jax import _factored
 from skewadam_jax import _flax
 from skewadam_jax import _grouped
+from skewadam_jax import _labels
 from skewadam_jax import _orthogonal
 from skewadam_jax import _paths
+from skewadam_jax import _per_leaf
 from skewadam_jax import _second_moment
 from skewadam_jax import _tree
 
@@ -65,12 +67,22 @@ class Tier:
     b1: this tier's momentum decay rate, or None for the transform's `b1` (Muon's
       tiers use 0.95 beside Adam's 0.9).
 
-  Memory: every estimator keeps the step free of full-size temporaries except in one
-  case, a `'grouped'` tier with momentum and a clip whose groups do not divide the
-  pooled axis, or pool along an axis before the last two: the clip then recomputes the
-  update through a gather, a temporary of 1.13x the leaf (measured on XLA:CPU: 1.126x
-  for [512, 517] in groups of 8 along the last axis, 1.125x along the expert axis of
-  [16, 128, 260]). Pool along a dividing axis of the matrix, or drop the clip, there.
+  Memory: every estimator keeps the step free of full-size temporaries, in any layout
+  of batch axes, except a `'grouped'` tier with a clip in two cases, where the clip
+  recomputes the update through a gather. XLA temporaries of `jit(update + apply)`
+  measured on XLA:CPU for a float32 [256, 4, 256] leaf (1,048,576 B), the same with
+  `batch_axes=(1,)` or the default layout:
+
+  * groups that do not divide the pooled axis (groups of 3 along the last axis):
+    1,402,948 B (1.34x the leaf) with momentum, 1,056,768 B (1.01x) without;
+  * pooling along a batch axis, whose groups span several matrices: 1,180,676 B
+    (1.13x) in groups of 8 along the first axis of the default layout, 1,572,932 B
+    (1.50x) in groups of 2 along the batch axis of `batch_axes=(1,)`.
+
+  Pooling in dividing groups along a matrix axis costs nothing of the leaf's size
+  (131,140 B with `batch_axes=(1,)` in groups of 8 along the last axis, 132,100 B in
+  the default layout); nor does any case without the clip. Pool along a dividing
+  matrix axis, or drop the clip, where memory is tight.
   """
   momentum: bool = True
   mu_dtype: Any = jnp.float32
@@ -185,13 +197,24 @@ MUON_TIERS: Mapping[str, Tier] = {
 }
 
 
+FIELDS = ('mu',) + _second_moment.STAT_FIELDS  # the per-parameter fields of the state
+
+
 class TieredAdamState(NamedTuple):
-  """State of `scale_by_tiered_adam`; unused fields of a leaf hold `optax.MaskedNode`."""
-  count: jax.Array  # shape=(), int32: number of updates applied so far.
-  mu: optax.Updates  # like params, dtype tier.mu_dtype; MaskedNode without momentum.
-  v_row: optax.Updates  # factored leaves: shape [..., R] float32; else MaskedNode.
-  v_col: optax.Updates  # factored leaves: shape [..., C] float32; else MaskedNode.
-  v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else MaskedNode.
+  """State of `scale_by_tiers` and `scale_by_tiered_adam`: one step count for every tier,
+  and per parameter only the arrays its tier keeps.
+
+  Every field but `count` has the params' structure. A slot that a parameter does not
+  keep (the momentum of a tier without one, `v` of a factored leaf) is `None` in place
+  of the leaf (or of its Flax box): an empty pytree node, so the state has one leaf
+  per array kept, and `nnx.Optimizer` one Variable per array. The leaves of other
+  groups of an `optax.partition` hold `optax.MaskedNode`, as in any optax state.
+  """
+  count: jax.Array  # shape=(), int32: number of updates applied so far (every tier).
+  mu: optax.Updates  # like params, dtype tier.mu_dtype; None without momentum.
+  v_row: optax.Updates  # factored leaves: shape [..., R] float32; else None.
+  v_col: optax.Updates  # factored leaves: shape [..., C] float32; else None.
+  v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else None.
 
 
 def check_tiers(tiers: Any) -> dict[str, Tier]:
@@ -234,17 +257,17 @@ def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
   return _for_leaf(tier.estimator, shape, axes)
 
 
-def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None
-              ) -> tuple[Any, dict[str, Any]]:
-  """A leaf's momentum (or MaskedNode) and its statistics, one entry per state field."""
+def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None) -> dict[str, Any]:
+  """A leaf's state under `tier`: its momentum (if the tier keeps one) and statistics,
+  by field name (`FIELDS`); fields the leaf does not keep are absent."""
   p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
   _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
   estimator = leaf_estimator(tuple(p.shape), tier, batch_axes, path)
-  mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else optax.MaskedNode()
+  mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else None
   stats = dict(estimator.init(p, path))
   _checks.check_estimator_init(estimator, path, stats, _second_moment.STAT_FIELDS)
   _second_moment.record_leaf(path, estimator, tuple(p.shape), mu, stats)
-  return mu, {k: stats.get(k, optax.MaskedNode()) for k in _second_moment.STAT_FIELDS}
+  return {'mu': mu, **stats} if tier.momentum else stats
 
 
 @functools.lru_cache(maxsize=4096)
@@ -270,43 +293,179 @@ def abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...
   return jax.eval_shape(lambda: dict(estimator.init(jnp.zeros(shape, dtype), path)))
 
 
-def check_grads(tier: Tier, leaves: list[tuple[str, Any]], treedef: Any, updates: Any,
-                params: Any, mus: list[Any], stats: list[dict[str, Any]],
-                batch_axes: list[Any]) -> list[tuple[str, Any]]:
-  """`leaves` (path, gradient) with Python scalars as 0-d arrays, as in optax, once every
-  gradient is checked against its leaf's state.
+def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str, Any],
+               batch_axes: Any) -> None:
+  """Raises unless gradient `g` fits its leaf's state (and parameter, if given).
 
   Shapes are static, so the checks run once, at trace time; without them a gradient
   of another shape (e.g. [256, 1] for a [256, 64] parameter) would broadcast against
-  the state into a full-size update. Each gradient is checked against its parameter
+  the state into a full-size update. The gradient is checked against its parameter
   (if `params` are given), its momentum (if kept) and the statistics its estimator
   makes for a parameter of the gradient's shape.
   """
-  params_leaves = None
+  shape = tuple(g.shape)
+  if param is not None:
+    _checks.check_grad_shape(path, shape, _tree.abstract_leaf(param).shape, 'the parameter')
+  if tier.momentum:
+    _checks.check_grad_shape(path, shape, row['mu'].shape, 'its momentum')
+  present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
+  try:
+    estimator = leaf_estimator(shape, tier, batch_axes, path)
+    expected = abstract_stats(estimator, shape, g.dtype, path)
+  except (ValueError, TypeError) as e:  # e.g. batch axes out of range for `g`'s rank
+    _checks.check_grad_fits_stats(path, shape, present, None, e)
+    raise
+  _checks.check_grad_fits_stats(path, shape, present, expected)
+
+
+def _param_leaves(leaves: _per_leaf.Leaves, params: Any) -> list[Any]:
+  """`params`' leaves beside the updates' (None each if not given or not alike)."""
   if params is not None:
     try:
-      params_leaves = _flax.flatten_like(treedef, updates, params)
+      return _flax.flatten_like(leaves.treedef, leaves.tree, params)
     except (ValueError, TypeError):  # not the updates' structure: checked by the state
       pass
-  out = []
-  for i, ((path, g), mu, leaf_stats, axes) in enumerate(zip(leaves, mus, stats, batch_axes)):
-    g = _tree.as_array(g)
-    shape = tuple(g.shape)
-    if params_leaves is not None and params_leaves[i] is not None:
-      param_shape = _tree.abstract_leaf(params_leaves[i]).shape
-      _checks.check_grad_shape(path, shape, param_shape, 'the parameter')
-    if tier.momentum:
-      _checks.check_grad_shape(path, shape, mu.shape, 'its momentum')
-    present = {k: v for k, v in leaf_stats.items() if not isinstance(v, optax.MaskedNode)}
-    try:
-      estimator = leaf_estimator(shape, tier, axes, path)
-      expected = abstract_stats(estimator, shape, g.dtype, path)
-    except (ValueError, TypeError) as e:  # e.g. batch axes out of range for `g`'s rank
-      _checks.check_grad_fits_stats(path, shape, present, None, e)
-      raise
-    _checks.check_grad_fits_stats(path, shape, present, expected)
-    out.append((path, g))
-  return out
+  return [None] * len(leaves.paths)
+
+
+def update_leaf(tier: Tier, b1: Any, b2: Any, eps: Any, path: str, g: jax.Array,
+                row: Mapping[str, Any], count: jax.Array, bc1: jax.Array, bc2: jax.Array,
+                batch_axes: Any) -> tuple[jax.Array, dict[str, Any]]:
+  """A leaf's update under `tier` and its new state (field name -> array)."""
+  # Every full-size array below is either an input, a state output or computed inside
+  # the one fused pass that also applies the update: statistics come from reductions
+  # over the stored arrays, and nothing of the leaf's size is materialised in between.
+  mu = row.get('mu')
+  if tier.momentum:
+    mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
+  if tier.nesterov:
+    # optax's Nesterov form: the momentum corrected one step ahead, plus the gradient.
+    bc1_next = 1.0 - jnp.asarray(b1, jnp.float32) ** (count + 1).astype(jnp.float32)
+    x = b1 / bc1_next * mu.astype(jnp.float32) + (1.0 - b1) / bc1 * g.astype(jnp.float32)
+    num_scale = 1.0
+  elif tier.momentum:
+    x = mu  # the stored (cast) momentum: no defensive copy of the uncast one
+    num_scale = 1.0 / bc1
+  else:
+    x = g
+    num_scale = 1.0
+  floor = tier.eps_mode == 'floor'
+  if floor:
+    num_scale = num_scale * jnp.sqrt(bc2)
+  step = _second_moment.Step(
+      b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
+      clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
+  estimator = leaf_estimator(tuple(g.shape), tier, batch_axes, path)
+  present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
+  u, new = estimator.update(g, present, x, step)
+  _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
+  return u.astype(g.dtype), ({'mu': mu, **new} if tier.momentum else dict(new))
+
+
+def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[str]],
+                     b1: Any, b2: Any, eps: Any, batch_axes: Any
+                     ) -> optax.GradientTransformationExtraArgs:
+  """The tiers' rules on the leaves `labels_of(tree)` assigns them (one label per leaf)."""
+  _checks.check_beta('b1', b1)
+  _checks.check_beta('b2', b2)
+  _checks.check_non_negative('eps', eps)
+
+  def setup(tree: Any, leaves: _per_leaf.Leaves) -> tuple[list[Tier], list[Any]]:
+    """Each leaf's tier and batch axes."""
+    leaf_tiers = [tiers[label] for label in labels_of(tree)]
+    return leaf_tiers, _paths.leaf_batch_axes(batch_axes, tree)
+
+  def specs_of(leaves: _per_leaf.Leaves, leaf_tiers: list[Tier], axes: list[Any]
+               ) -> _per_leaf.SpecsOf:
+    # Flax boxes (NNX Variables, Linen Partitioned) of each statistic name the axes it
+    # keeps, as its estimator derives them from the parameter's axis names.
+    def specs(i: int, names: Any, shape: tuple[int, ...]) -> Mapping[str, Any]:
+      path = leaves.paths[i]
+      return leaf_estimator(shape, leaf_tiers[i], axes[i], path).specs(names, shape, None,
+                                                                        path)
+    return specs
+
+  def init_fn(params):
+    leaves = _per_leaf.Leaves.of(params)
+    leaf_tiers, axes = setup(params, leaves)
+    rows = [init_leaf(tier, path, p, a)
+            for tier, path, p, a in zip(leaf_tiers, leaves.paths, leaves.arrays, axes)]
+    return TieredAdamState(_per_leaf.zero_count(), **leaves.fields(
+        rows, FIELDS, specs_of(leaves, leaf_tiers, axes)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args  # unused; accepted so that the transform chains like optax's
+    leaves = _per_leaf.Leaves.of(updates)
+    leaf_tiers, axes = setup(updates, leaves)
+    rows = leaves.read(state, FIELDS)
+    count, t = _per_leaf.next_count(state.count)
+    b1s = {id(tier): b1 if tier.b1 is None else tier.b1 for tier in leaf_tiers}
+    bc1 = {key: _per_leaf.bias_correction(b, t) for key, b in b1s.items()}
+    bc2 = _per_leaf.bias_correction(b2, t)
+    out = []
+    for tier, path, g, p, row, a in zip(leaf_tiers, leaves.paths, leaves.arrays,
+                                        _param_leaves(leaves, params), rows, axes):
+      check_grad(tier, path, g, p, row, a)
+      out.append(update_leaf(tier, b1s[id(tier)], b2, eps, path, g, row, count,
+                             bc1[id(tier)], bc2, a))
+    return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
+        [new for _, new in out], FIELDS, specs_of(leaves, leaf_tiers, axes)))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_by_tiers(
+    tiers: Optional[Mapping[str, Tier]],
+    param_labels: Any,
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    eps: Any = 1e-8,
+    *,
+    batch_axes: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Rescales updates with SkewAdam's tiers, each leaf by its tier's rule.
+
+  One transform for every tier: each leaf gets the rule of `scale_by_tiered_adam` with
+  its tier's configuration (see there for the maths), and the state is one
+  `TieredAdamState` with one step count and, per parameter, only the arrays its tier
+  keeps. This is what `skewadam` uses; it updates exactly as
+  `optax.partition({name: scale_by_tiered_adam(tier=tier) ...}, param_labels)` would,
+  whose state repeats every field of every tier for every parameter (a masked slot
+  each).
+
+  Args:
+    tiers: tier name -> `Tier`, or None for `PUBLISHED_TIERS`.
+    param_labels: each leaf's tier name: a pytree matching the params (by structure, as
+      a prefix, or by path), or a function of the params (and, at `update`, of the
+      updates) returning one, e.g. `sj.moe_param_labels`; None for its default rules.
+    b1: decay rate of the first moment, for tiers whose `b1` is None.
+    b2: decay rate of the second-moment statistics.
+    eps: floor on the uncorrected second moment (`eps_mode='floor'`) or Adam's
+      additive term (`eps_mode='adam'`).
+    batch_axes: each leaf's batch axes, as in `scale_by_tiered_adam`.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` (extra `update` keywords are ignored).
+
+  Example:
+    >>> import jax.numpy as jnp, skewadam_jax as sj
+    >>> params = {'w': jnp.zeros((8, 16)), 'router': jnp.zeros((16, 4))}
+    >>> tx = sj.scale_by_tiers(sj.PUBLISHED_TIERS, {'w': 'backbone', 'router': 'router'})
+    >>> state = tx.init(params)
+    >>> state.mu['router'] is None, state.v['router'].shape
+    (True, (16, 4))
+
+  References:
+    Where Should Optimizer State Live? Tiered State Allocation for Memory-Efficient
+    Mixture-of-Experts Training, arXiv 2607.19058.
+  """
+  tiers = check_tiers(tiers)
+
+  def labels_of(tree: Any) -> list[str]:
+    labels = _labels.resolve_labels(tree, param_labels)
+    return jax.tree_util.tree_leaves(_labels.expand_labels(tree, labels, tiers))
+
+  return _tiers_transform(tiers, labels_of, b1, b2, eps, batch_axes)
 
 
 def scale_by_tiered_adam(
@@ -363,86 +522,10 @@ def scale_by_tiered_adam(
     Mixture-of-Experts Training, arXiv 2607.19058.
     Shazeer & Stern, Adafactor: Adaptive Learning Rates with Sublinear Memory Cost, 2018.
   """
+
   if tier is not None and not isinstance(tier, Tier):
     raise TypeError(f'`tier` must be a skewadam_jax.Tier or None, got {type(tier).__name__} '
                     f'{tier!r}; build one with sj.Tier(...) or pass tier options as keywords.')
   tier = (tier or Tier()).replace(**tier_options)
-  _checks.check_beta('b1', b1)
-  if tier.b1 is not None:
-    b1 = tier.b1
-  _checks.check_beta('b2', b2)
-  _checks.check_non_negative('eps', eps)
-
-  def init_fn(params):
-    leaves, treedef = _paths.flatten_with_paths(params)
-    axes = _paths.leaf_batch_axes(batch_axes, params)
-    mus, stats = zip(*[init_leaf(tier, path, p, a) for (path, p), a in zip(leaves, axes)]
-                     ) if leaves else ((), ())
-    fields = {k: treedef.unflatten([s[k] for s in stats]) for k in _second_moment.STAT_FIELDS}
-    fields = _named_fields(params, [path for path, _ in leaves], axes, fields)
-    return TieredAdamState(jnp.zeros([], jnp.int32), treedef.unflatten(list(mus)), **fields)
-
-  def _named_fields(params, paths, axes, fields):
-    # Flax boxes (NNX Variables, Linen Partitioned) of each statistic name the axes it
-    # keeps, as its estimator derives them from the parameter's axis names.
-    axes_of = dict(zip(paths, axes))
-
-    def names_for(field):
-      def names(path, shape, param_names):
-        specs = leaf_estimator(shape, tier, axes_of.get(path), path).specs(
-            param_names, shape, None, path)
-        return _flax.spec_names(specs[field]) if field in specs else None
-      return names
-
-    return {k: _flax.rename_boxes(params, v, names_for(k)) for k, v in fields.items()}
-
-  def update_leaf(path, g, mu, stats, count, bc1, bc2, axes):
-    # Every full-size array below is either an input, a state output or computed inside
-    # the one fused pass that also applies the update: statistics come from reductions
-    # over the stored arrays, and nothing of the leaf's size is materialised in between.
-    if tier.momentum and tier.nesterov:
-      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
-      # optax's Nesterov form: the momentum corrected one step ahead, plus the gradient.
-      bc1_next = 1.0 - jnp.asarray(b1, jnp.float32) ** (count + 1).astype(jnp.float32)
-      x = b1 / bc1_next * mu.astype(jnp.float32) + (1.0 - b1) / bc1 * g.astype(jnp.float32)
-      num_scale = 1.0
-    elif tier.momentum:
-      mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
-      x = mu  # the stored (cast) momentum: no defensive copy of the uncast one
-      num_scale = 1.0 / bc1
-    else:
-      x = g
-      num_scale = 1.0
-    floor = tier.eps_mode == 'floor'
-    if floor:
-      num_scale = num_scale * jnp.sqrt(bc2)
-    step = _second_moment.Step(
-        b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
-        clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
-    estimator = leaf_estimator(tuple(g.shape), tier, axes, path)
-    present = {k: v for k, v in stats.items() if not isinstance(v, optax.MaskedNode)}
-    u, new = estimator.update(g, present, x, step)
-    _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
-    return u.astype(g.dtype), mu, {k: new.get(k, optax.MaskedNode()) for k in stats}
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args  # unused; accepted so that the transform chains like optax's
-    leaves, treedef = _paths.flatten_with_paths(updates)
-    mus = treedef.flatten_up_to(state.mu)
-    stats = [dict(zip(_second_moment.STAT_FIELDS, s)) for s in zip(*[
-        _flax.flatten_like(treedef, updates, getattr(state, k))
-        for k in _second_moment.STAT_FIELDS])]
-    count = optax.safe_increment(state.count)
-    t = count.astype(jnp.float32)
-    bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
-    bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
-    axes = _paths.leaf_batch_axes(batch_axes, updates)
-    leaves = check_grads(tier, leaves, treedef, updates, params, mus, stats, axes)
-    out = [update_leaf(path, g, mu, s, count, bc1, bc2, a)
-           for (path, g), mu, s, a in zip(leaves, mus, stats, axes)]
-    fields = {k: treedef.unflatten([o[2][k] for o in out]) for k in _second_moment.STAT_FIELDS}
-    fields = _named_fields(updates, [path for path, _ in leaves], axes, fields)
-    return treedef.unflatten([o[0] for o in out]), TieredAdamState(
-        count, treedef.unflatten([o[1] for o in out]), **fields)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _tiers_transform({'tier': tier}, lambda tree: ['tier'] * len(
+      jax.tree_util.tree_leaves(tree)), b1, b2, eps, batch_axes)

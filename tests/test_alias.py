@@ -121,8 +121,8 @@ def test_nnx_optimizer_trains_an_moe_model(name):
   losses = [float(train_step(model, optimizer, tokens)) for _ in range(20)]
   assert losses[-1] < 0.7 * losses[0], losses
   if name == 'skewadam':
-    inner = optimizer.opt_state[0].inner_states
-    assert set(inner) == {'backbone', 'experts', 'router'}
+    state = optimizer.opt_state[0]  # one state for every tier, one step count
+    assert isinstance(state, sj.TieredAdamState) and int(state.count[...]) == 20
 
 
 def _python_float_case(name, jit):
@@ -153,3 +153,39 @@ def test_python_float_leaves_work_as_in_optax_under_jit(name):
 @pytest.mark.parametrize('name', FACTORIES)
 def test_python_float_leaves_work_as_in_optax_eagerly(name):
   _python_float_case(name, jit=False)
+
+
+def test_adampm_arguments_after_eps_are_keywords_in_optax_adamw_order():
+  import inspect  # noqa: PLC0415
+  names = list(inspect.signature(sj.adampm).parameters)
+  adamw = [n for n in inspect.signature(optax.adamw).parameters if n in names]
+  assert [n for n in names if n in adamw] == adamw  # the same relative order
+  assert names[:4] == ['learning_rate', 'b1', 'b2', 'eps']
+  # Before, the fifth positional argument was weight_decay (optax.adamw's is eps_root).
+  with pytest.raises(TypeError, match=r'keyword-only.*weight_decay=0\.1'):
+    sj.adampm(1e-3, 0.9, 0.999, 1e-8, 0.1)
+  a = sj.adampm(1e-3, 0.9, 0.999, 1e-8, weight_decay=0.1)
+  params = {'w': jnp.ones((4, 8))}
+  u, _ = a.update(jax.tree.map(jnp.zeros_like, params), a.init(params), params)
+  np.testing.assert_allclose(u['w'], -1e-3 * 0.1 * params['w'], rtol=1e-6)
+
+
+def test_skewadam_mask_selects_the_leaves_weight_decay_applies_to():
+  """Decay applies where the tier's flag and `mask` both say so (as optax.adamw's)."""
+  params = {'embed': jnp.ones((16, 8)), 'norm': {'scale': jnp.ones((8,))},
+            'moe': {'router': jnp.ones((8, 4)), 'experts': {'w1': jnp.ones((4, 8, 16))}}}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  mask = {'embed': True, 'norm': False, 'moe': True}  # a prefix of the params
+
+  def decayed(tx):
+    u, _ = tx.update(zeros, tx.init(params), params)
+    return {k: bool(jnp.any(v != 0)) for k, v in
+            zip(['embed', 'experts', 'router', 'norm'],
+                [u['embed'], u['moe']['experts']['w1'], u['moe']['router'],
+                 u['norm']['scale']])}
+
+  assert decayed(sj.skewadam(1e-2, weight_decay=0.1)) == {
+      'embed': True, 'experts': True, 'router': False, 'norm': True}
+  expected = {'embed': True, 'experts': True, 'router': False, 'norm': False}
+  assert decayed(sj.skewadam(1e-2, weight_decay=0.1, mask=mask)) == expected
+  assert decayed(sj.skewadam(1e-2, weight_decay=0.1, mask=lambda p: mask)) == expected

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -24,6 +23,7 @@ import skewadam_jax as sj
 from skewadam_jax import _factored
 from skewadam_jax import _labels
 from skewadam_jax import _paths
+from skewadam_jax import _tiered
 from tests.test_real_trees import _abstract
 from tests.test_real_trees import _nest
 from tests.test_real_trees import _record
@@ -220,7 +220,7 @@ def test_statistics_shapes_follow_the_batch_axes():
   assert state.v_col['q'].shape == (3, 5)  # head_dim per layer
   # A vector per slice: the exact estimate, the parameter's shape.
   assert state.v['norm'].shape == (6, 3) and state.v['bias'].shape == (4, 5)
-  assert isinstance(state.v_row['norm'], optax.MaskedNode)
+  assert state.v_row['norm'] is None
 
 
 def test_specs_of_a_scanned_leaf_keep_the_axes_each_statistic_keeps():
@@ -232,12 +232,19 @@ def test_specs_of_a_scanned_leaf_keep_the_axes_each_statistic_keeps():
   assert tuple(default.specs(('exp', 'a', 'b'), (4, 6, 5), None, 'w')['v_col']) == ('exp', 'b')
 
 
-def test_default_layout_keeps_the_original_code_path():
-  # Leading batch axes (today's layout) normalise to None: the frozen outputs stay bitwise.
-  assert sj.Factored().for_leaf((4, 6, 5), (0,)) == _factored.FACTORED
-  assert sj.Factored().for_leaf((4, 6, 5), (0,)).batch_axes is None
-  assert sj.Factored().for_leaf((6, 5), ()) == _factored.FACTORED
+def test_default_layout_is_one_explicit_tuple_whatever_its_spelling():
+  # Estimators get explicit batch axes: None (a direct call) means the default layout,
+  # the same estimator as its explicit spelling (the frozen outputs pin its numerics).
+  assert sj.Factored().for_leaf((4, 6, 5), (0,)) == sj.Factored().for_leaf((4, 6, 5))
+  assert sj.Factored().for_leaf((4, 6, 5)).batch_axes == (0,)
+  assert sj.Factored().for_leaf((6, 5), ()) == sj.Factored().for_leaf((6, 5))
+  assert sj.Factored().for_leaf((6, 5)).batch_axes == ()
   assert sj.Factored().for_leaf((4, 5), (0,)).name == 'exact'
+  # The tier normalises them once, naming the leaf by its path in errors.
+  est = _tiered.leaf_estimator((4, 6, 5), sj.Tier(), (-3,), 'blocks/w')
+  assert est == _factored.Factored((0,))
+  with pytest.raises(ValueError, match=r'`batch_axes` \(3,\) of blocks/w are out of range'):
+    _tiered.leaf_estimator((4, 6, 5), sj.Tier(), (3,), 'blocks/w')
 
 
 def test_skewadam_default_batch_axes_on_our_trees_are_the_default_layout():

@@ -131,3 +131,46 @@ def test_adampm_updates_on_a_named_axis_of_one_shard():
     updates, state = jax.jit(tx.update)(params, state, params)
   assert updates['w'].shape == (2, 4, 16)
   assert np.all(np.isfinite(np.asarray(updates['w'])))
+
+
+@pytest.mark.parametrize('axis', [-1, -2, -3])
+def test_groupmean_and_expand_groups_take_negative_axes(axis):
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 10, 7)), jnp.float32)
+  ax = axis % x.ndim
+  pooled = sj.groupmean(x, 4, axis)
+  np.testing.assert_array_equal(pooled, sj.groupmean(x, 4, ax))
+  assert pooled.shape == _grouped.grouped_shape(x.shape, 4, ax)
+  np.testing.assert_array_equal(sj.expand_groups(pooled, 4, axis, x.shape[ax]),
+                                sj.expand_groups(pooled, 4, ax, x.shape[ax]))
+  with pytest.raises(ValueError, match=r'`axis`=3 is out of range .* -3\.\.2'):
+    sj.groupmean(x, 4, 3)
+
+
+def test_group_axis_is_the_one_name_and_axis_is_deprecated():
+  params = {'w': jnp.zeros((8, 12))}
+  new = sj.adampm(1e-3, group_axis=0).init(params)
+  assert new[0].nu['w'].shape == (1, 12)
+  assert sj.Grouped(4, group_axis=0) == sj.Grouped(4, 0)
+  assert sj.Tier(second_moment='grouped', group_axis=0).estimator == sj.Grouped(8, 0)
+  with pytest.warns(DeprecationWarning, match='group_axis'):
+    old = sj.adampm(1e-3, axis=0).init(params)
+  jax.tree.map(np.testing.assert_array_equal, old, new)
+  with pytest.warns(DeprecationWarning, match='group_axis'):
+    tx = sj.scale_by_grouped_second_moment(axis=0)
+  assert tx.init(params).nu['w'].shape == (1, 12)
+  with pytest.warns(DeprecationWarning, match='group_axis'):
+    assert sj.Grouped(4, axis=0) == sj.Grouped(4, 0)
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match='`axis`=2'):
+    sj.adampm(1e-3, axis=2).init(params)  # errors name the argument as given
+
+
+def test_eps_root_enters_inside_the_square_root_as_in_optax():
+  params = {'w': jnp.linspace(-1.0, 1.0, 24).reshape(4, 6)}
+  grads = {'w': jnp.cos(params['w'] * 3.0) * 1e-3}
+  ours = sj.adampm(1e-2, eps_root=1e-6, group_size=1)
+  theirs = optax.adamw(1e-2, eps_root=1e-6, weight_decay=0.0)
+  u_ours, _ = ours.update(grads, ours.init(params), params)
+  u_theirs, _ = theirs.update(grads, theirs.init(params), params)
+  np.testing.assert_allclose(u_ours['w'], u_theirs['w'], rtol=1e-6)
+  plain, _ = sj.adampm(1e-2, group_size=1).update(grads, ours.init(params), params)
+  assert not np.allclose(plain['w'], u_ours['w'], rtol=1e-3)

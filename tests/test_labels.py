@@ -116,7 +116,11 @@ def test_prefix_label_tree_is_broadcast():
   state = tx.init(params)
   updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
   assert jax.tree.structure(updates) == jax.tree.structure(params)
-  assert isinstance(optax.tree_utils.tree_get(state, 'inner_states'), dict)
+  tiered = state[0]
+  assert isinstance(tiered, sj.TieredAdamState)
+  # Each leaf keeps its label's tier's state: backbone momentum, the router's exact v.
+  assert tiered.mu['dense']['w'].shape == (2, 3) and tiered.mu['r'] is None
+  assert tiered.v['r'].shape == (3, 2) and tiered.v['dense']['w'] is None
 
 
 # ---------------------------------------------------------------------------- rules
@@ -330,9 +334,10 @@ def test_label_tree_from_axis_names_trains_with_nnx_optimizer():
     before = model.ffn_bank[...]
     opt.update(model, nnx.grad(lambda m: m(tokens))(model))
   assert not jnp.allclose(before, model.ffn_bank[...])
-  inner = optax.tree_utils.tree_get(opt.opt_state, 'inner_states')
-  v_row = optax.tree_utils.tree_get(inner['experts'], 'v_row')
+  v_row = optax.tree_utils.tree_get(opt.opt_state, 'v_row')
+  mu = optax.tree_utils.tree_get(opt.opt_state, 'mu')
   assert v_row['ffn_bank'].shape == (mm.E, mm.D)  # factored per expert: the experts tier
+  assert mu['ffn_bank'] is None  # and no momentum, as the experts tier keeps none
 
 
 def test_a_bare_router_kernel_brings_only_its_bias_into_the_router_tier():

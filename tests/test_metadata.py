@@ -102,7 +102,9 @@ def _value(box: Any) -> Any:
 
 
 def _tier_state(state: Any, tier: str) -> sj.TieredAdamState:
-  return state[0].inner_states[tier].inner_state
+  """The state of `skewadam` (one for every tier; `tier` says which leaves a test reads)."""
+  del tier
+  return state[0]
 
 
 # ------------------------------------------------------------------------ unit tests
@@ -218,18 +220,20 @@ def test_linen_route_places_the_state_under_jit(name):
     assert tuple(_value(rows['params/moe/experts/w1']).sharding.spec) == ('expert', 'data')
 
 
-def test_masked_fields_stay_valid_for_the_route():
-  """Unused fields (and leaves of other tiers) hold `optax.MaskedNode` in their box:
-  `get_partition_spec` and `to_opt_state` accept them and keep the parameter's names."""
+def test_unused_slots_are_empty_for_the_route():
+  """A slot a leaf does not keep (`v` of a factored bank, `mu` of a tier without
+  momentum) is None, no box: `to_opt_state` boxes one Variable per array of the state,
+  and `get_partition_spec` gives specs for exactly those."""
   params = nnx_params()
   state = to_opt_state(sj.skewadam(1e-3).init(params))
-  masked = _boxes(_tier_state(state, 'experts').v)  # no exact leaf in the expert tier
-  assert masked and all(isinstance(_value(b), optax.MaskedNode) for b in masked.values())
-  names = {path: _names(box) for path, box in _boxes(params).items()}
-  assert {path: _names(box) for path, box in masked.items()} == names
+  v = _boxes(state[0].v)
+  assert 'moe/experts/w1' not in v and 'moe/router/kernel' in v
+  assert 'moe/experts/w1' not in _boxes(state[0].mu)
+  assert len(_boxes(state)) == len(jax.tree.leaves(state))
   specs = _boxes(nnx.get_partition_spec(state))
-  assert specs['0/inner_states/experts/inner_state/v/moe/experts/w1'].get_value() == P(
-      'exp', 'embed', 'mlp')
+  assert set(specs) == set(_boxes(state))
+  assert specs['0/v_row/moe/experts/w1'].get_value() == P('exp', 'embed')
+  assert specs['0/v/moe/router/kernel'].get_value() == P('embed', None)
 
 
 def test_nnx_optimizer_trains_with_named_params():
@@ -347,12 +351,11 @@ def test_skewadam_statistics_are_sharded_on_the_axes_they_keep(maxtext_runs):
   r = maxtext_runs['skewadam']
   assert r['reduced_rank_leaves'] >= 12
   sharded = set(r['sharded_leaves'])
-  experts = 'opt_state/0/inner_states/experts/inner_state'
+  state = 'opt_state/0'
   for field in ('v_row', 'v_col'):
     for leaf in ('wi_0', 'wi_1', 'wo'):
-      assert f'{experts}/{field}/decoder/layers/MoeBlock_0/{leaf}' in sharded
-  assert ('opt_state/0/inner_states/backbone/inner_state/v_row/decoder/layers/'
-          'self_attention/query/kernel') in sharded
+      assert f'{state}/{field}/decoder/layers/MoeBlock_0/{leaf}' in sharded
+  assert f'{state}/v_row/decoder/layers/self_attention/query/kernel' in sharded
 
 
 def test_boxed_updates_and_memory_report_see_through_renamed_boxes():
@@ -371,7 +374,7 @@ def test_boxed_updates_and_memory_report_see_through_renamed_boxes():
   _, state1 = tx.update(grads, state, p)
   _, state2 = jax.jit(tx.update)(grads, state1, p)
   assert jax.tree.structure(state2) == jax.tree.structure(state)
-  inner = state2[0].inner_states['experts'].inner_state
+  inner = state2[0]
   assert inner.v_row['moe']['experts']['w1'].names == ('exp', 'embed')
   tiers = {t.tier: t.state_bytes for t in sj.memory_report(p, tx).tiers}
   assert '(other)' not in tiers and tiers['experts'] == 4 * (8 + 16) * 4

@@ -328,11 +328,8 @@ def test_tier_statistics_are_fp32_for_bf16_params():
   tiers = {'backbone': sj.Tier(mu_dtype=jnp.bfloat16, second_moment='factored'),
            'experts': GROUPED_TIERS['experts'], 'router': sj.PUBLISHED_TIERS['router']}
   state = sj.skewadam(1e-2, tiers=tiers).init(_params(jnp.bfloat16))
-  inner = optax.tree_utils.tree_get(state, 'inner_states')
-  for name, tier_state in inner.items():
-    tier_state = tier_state.inner_state
-    for field in ('v_row', 'v_col', 'v'):
-      assert {x.dtype for x in jax.tree.leaves(getattr(tier_state, field))} <= {
-          jnp.dtype(jnp.float32)}, (name, field)
-  mu = optax.tree_utils.tree_get(inner['backbone'], 'mu')
-  assert mu['embed'].dtype == jnp.bfloat16
+  tiered = state[0]
+  for field in ('v_row', 'v_col', 'v'):
+    assert {x.dtype for x in jax.tree.leaves(getattr(tiered, field))} == {
+        jnp.dtype(jnp.float32)}, field
+  assert tiered.mu['embed'].dtype == jnp.bfloat16

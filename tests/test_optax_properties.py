@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -245,10 +246,17 @@ def test_inject_hyperparams_matches_plain_factory(name):
                doubled, single)
 
 
-@pytest.mark.parametrize('static', [(), ('group_size',), ('axis',)])
-def test_inject_hyperparams_traced_static_arg_error_names_static_args(static):
-  missing = 'axis' if 'group_size' in static else 'group_size'  # checked in this order
-  tx = optax.inject_hyperparams(sj.adampm, static_args=static)(learning_rate=1e-3)
+@pytest.mark.parametrize('static, axis', [
+    ((), 'group_axis'), (('group_size',), 'group_axis'), (('group_axis',), 'group_axis'),
+    (('group_size',), 'axis')])  # `axis`: the deprecated spelling, named as given
+def test_inject_hyperparams_traced_static_arg_error_names_static_args(static, axis):
+  """A pooled axis passed as an int is traced unless static, like `group_size`; the
+  default (None: the last axis) is not a number, so it needs no `static_args`."""
+  missing = axis if 'group_size' in static else 'group_size'  # checked in this order
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', DeprecationWarning)
+    tx = optax.inject_hyperparams(sj.adampm, static_args=static)(learning_rate=1e-3,
+                                                                 **{axis: -1})
   with pytest.raises(TypeError, match=rf"`{missing}` must be a static .*static_args=\("
                                       rf"'{missing}'"):
     jax.jit(tx.init)(_moe_params())
@@ -309,13 +317,11 @@ def test_explicit_mu_dtype_skewadam(params_dtype, mu_dtype):
   tx = sj.skewadam(0.1, tiers=tiers)
   params = _moe_params(params_dtype)
   state = tx.init(params)
-  tier_states = optax.tree_utils.tree_get(state, 'inner_states')  # the partition's
-  mu = optax.tree_utils.tree_get(tier_states['backbone'], 'mu')
+  mu = optax.tree_utils.tree_get(state, 'mu')
   assert mu['embed'].dtype == jnp.dtype(mu_dtype)
   assert mu['ln']['scale'].dtype == jnp.dtype(mu_dtype)
   # Tiers without momentum store none, whatever the dtype.
-  experts_mu = optax.tree_utils.tree_get(tier_states['experts'], 'mu')
-  assert not jax.tree.leaves(experts_mu)
+  assert not jax.tree.leaves(mu['moe']['experts'])
 
 
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float32'])
@@ -459,23 +465,16 @@ def test_tree_get_finds_mu_and_count_adampm(name):
 
 @pytest.mark.parametrize('name', ['skewadam', 'skewadam_grouped'])
 def test_tree_get_finds_mu_and_count_skewadam(name):
-  """Each tier has its own state under its name in the partition: look it up first."""
+  """One state for every tier: one `mu` (a leaf where the tier keeps momentum, None
+  elsewhere) and one step count, found by name as in any optax state."""
   _, init, update = standard(name)
   params = _moe_params()
   state = init(params)
   for i in range(3):
     _, state = update(_moe_grads(params, seed=i), state, params)
-  # Tier names are also dict keys of the parameter tree (`moe/experts`), so go through
-  # the partition's `inner_states` rather than searching for the tier name.
-  tier_states = optax.tree_utils.tree_get(state, 'inner_states')
-  mu = optax.tree_utils.tree_get(tier_states['backbone'], 'mu')
+  mu = optax.tree_utils.tree_get(state, 'mu')
   assert mu['embed'].shape == params['embed'].shape
   assert mu['ln']['scale'].shape == params['ln']['scale'].shape
   assert float(jnp.max(jnp.abs(mu['embed']))) > 0
-  for tier in ('backbone', 'experts', 'router'):
-    count = optax.tree_utils.tree_get(tier_states[tier], 'count')
-    assert int(count) == 3
-  # A filter on the path selects one tier's `mu` directly.
-  in_backbone = lambda path, _: any(getattr(k, 'key', None) == 'backbone' for k in path)
-  same = optax.tree_utils.tree_get(state, 'mu', filtering=in_backbone)
-  jax.tree.map(np.testing.assert_array_equal, same, mu)
+  assert not jax.tree.leaves(mu['moe'])  # the experts and router tiers keep no momentum
+  assert int(optax.tree_utils.tree_get(state, 'count')) == 3

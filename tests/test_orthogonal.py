@@ -138,7 +138,7 @@ def test_state_is_the_momentum_only_and_nothing_without_momentum():
   state = sj.scale_by_tiered_adam(tier=HIDDEN).init(params)
   assert state.mu['w'].shape == (4, 12, 20) and state.mu['w'].dtype == jnp.float32
   for field in (state.v_row, state.v_col, state.v):
-    assert all(isinstance(x, optax.MaskedNode) for x in field.values())
+    assert all(x is None for x in field.values())
   assert sj.state_bytes(state) == 4 * (4 * 12 * 20 + 12 * 20)
   stateless = sj.scale_by_tiered_adam(momentum=False, second_moment='orthogonal')
   assert sj.optimizer_state_bytes(stateless, params) == 0
@@ -158,7 +158,7 @@ def test_leaves_without_a_matrix_are_rejected_or_fall_back():
   tx = sj.scale_by_tiered_adam(tier=fallback, batch_axes={'b': (0,), 'w': (0,)})
   params = {'b': jnp.zeros((4, 8)), 'w': jnp.zeros((4, 8, 6))}
   state = tx.init(params)
-  assert state.v['b'].shape == (4, 8) and isinstance(state.v['w'], optax.MaskedNode)
+  assert state.v['b'].shape == (4, 8) and state.v['w'] is None
   rows = sj.label_table(params, tiers={'backbone': fallback},
                         batch_axes={'b': (0,), 'w': (0,)})
   assert [r.second_moment for r in rows] == ['exact', 'orthogonal']
@@ -263,14 +263,13 @@ def test_state_shardings_of_the_hidden_tier_follow_the_params():
   variant = dict(sj.MUON_TIERS, experts=sj.Tier(momentum=False, second_moment='orthogonal',
                                                   clip_threshold=None))
   shardings = sj.state_shardings(sj.skewadam(1e-3, tiers=variant), params, specs)
-  tiers = {k: v.inner_state for k, v in shardings[0].inner_states.items()}
-  assert tiers['hidden'].mu['mlp'] == P('data', None)
-  assert isinstance(tiers['hidden'].v_row['mlp'], optax.MaskedNode)
-  experts = tiers['experts']
-  assert all(isinstance(x, optax.MaskedNode) for x in jax.tree.leaves(
-      (experts.mu, experts.v_row, experts.v_col, experts.v),
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
-  assert tiers['backbone'].v_col['embed'] == P('data')
+  state = shardings[0]
+  assert state.mu['mlp'] == P('data', None)  # the hidden tier: momentum only
+  assert state.v_row['mlp'] is None
+  # The stateless orthogonal experts keep nothing: no slot in any field.
+  assert all(field['moe']['experts']['w1'] is None
+             for field in (state.mu, state.v_row, state.v_col, state.v))
+  assert state.v_col['embed'] == P('data')
 
 
 # ----------------------------------------------------------------------------- the policy

@@ -163,7 +163,7 @@ QUANT_TIERS = {'backbone': sj.Tier(momentum=False, second_moment=EightBit())}
 def test_state_shardings_keep_the_specs_of_a_pytree_statistic():
   tx = sj.skewadam(1e-3, tiers=QUANT_TIERS, param_labels=lambda p: 'backbone')
   shardings = sj.state_shardings(tx, QUANT, {'w': P('model', None), 'b': P()})
-  v = shardings[0].inner_states['backbone'].inner_state.v
+  v = shardings[0].v
   assert v['w'] == {'code': P('model', None), 'scale': P('model')}
   assert v['b'] == P()
 
@@ -180,7 +180,7 @@ def test_quantized_state_is_counted():
   # The estimator trains (its statistics keep their dtypes step to step).
   params = {k: jnp.ones(s.shape) for k, s in QUANT.items()}
   _, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
-  assert state[0].inner_states['backbone'].inner_state.v['w']['code'].dtype == jnp.uint8
+  assert state[0].v['w']['code'].dtype == jnp.uint8
   # Quantized optax states count as well: int8 moments are not free.
   int8 = optax.GradientTransformation(
       lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.int8), p),

@@ -8,6 +8,7 @@ import pytest
 
 import skewadam_jax as sj
 from reference import RefTier
+from skewadam_jax import _alias
 from trees import MOE_LEAVES, init_params, make_grads_fn, nest, run_optax
 
 STEPS = 30
@@ -149,7 +150,7 @@ def test_stacked_experts_are_factored_and_clipped_per_expert():
   tx = sj.scale_by_tiered_adam(tier=sj.PUBLISHED_TIERS['experts'])
   state = tx.init(jnp.zeros((e, r, c)))
   assert state.v_row.shape == (e, r) and state.v_col.shape == (e, c)
-  assert isinstance(state.mu, optax.MaskedNode)
+  assert state.mu is None  # no momentum: no slot (an empty node, no leaf)
   u, state = tx.update(jnp.asarray(g, jnp.float32), state)
   for i in range(e):
     single = sj.scale_by_tiered_adam(tier=sj.PUBLISHED_TIERS['experts'])
@@ -164,8 +165,8 @@ def test_state_fields_hold_only_what_the_tier_needs():
   backbone = sj.scale_by_tiered_adam(tier=sj.PUBLISHED_TIERS['backbone']).init(params)
   assert backbone.mu['w'].dtype == jnp.float32 and backbone.mu['w'].shape == (3, 5, 7)
   assert backbone.v_row['w'].shape == (3, 5) and backbone.v_col['w'].shape == (3, 7)
-  assert isinstance(backbone.v['w'], optax.MaskedNode)
-  assert backbone.v['b'].shape == (7,) and isinstance(backbone.v_row['b'], optax.MaskedNode)
+  assert backbone.v["w"] is None
+  assert backbone.v["b"].shape == (7,) and backbone.v_row["b"] is None
   assert backbone.v['s'].shape == ()
   grouped = sj.scale_by_tiered_adam(second_moment='grouped', group_size=4,
                                     momentum=False).init(params)
@@ -190,3 +191,83 @@ def test_zero_gradients_give_zero_updates():
     u, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params))
     for leaf in jax.tree.leaves(u):
       assert np.all(np.asarray(leaf) == 0.0)
+
+
+# ------------------------------------------------------------- one state for every tier
+
+
+def _toy():
+  return {'embed': jnp.ones((16, 8)), 'attn': {'q': jnp.ones((8, 8)), 'norm': jnp.ones((8,))},
+          'moe': {'router': jnp.zeros((8, 4)),
+                  'experts': {'w1': jnp.ones((4, 8, 16)), 'w2': jnp.ones((4, 16, 8))}}}
+
+
+def _with_masked_nodes(tree):
+  """Leaves with `optax.MaskedNode`s counted as leaves too (a slot an optax state keeps
+  for nothing; an absent slot of ours is None, which no pytree library sees as a leaf)."""
+  return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+@pytest.mark.parametrize('policy', ['PUBLISHED_TIERS', 'MUON_TIERS', 'ADAM_EPS_TIERS'])
+def test_state_has_one_entry_per_array_kept(policy):
+  """One step count for every tier, and per parameter only the arrays its tier keeps:
+  no empty slot anywhere (a partition of tiers had one per field, tier and parameter)."""
+  params, tiers = _toy(), getattr(sj, policy)
+  state = sj.skewadam(1e-3, tiers=tiers).init(params)
+  arrays = jax.tree.leaves(state)
+  assert len(_with_masked_nodes(state)) == len(arrays)
+  assert [x.shape for x in arrays if x.dtype == jnp.int32] == [()]  # one step count
+  # The arrays of a partition of the same tiers (one count per tier), no more, no less.
+  labels = _alias.tier_labeler(tiers)(params)
+  partition = optax.partition({k: sj.scale_by_tiered_adam(tier=t) for k, t in tiers.items()},
+                              labels)
+  assert len(arrays) == len(jax.tree.leaves(partition.init(params))) - len(tiers) + 1
+
+
+def test_nnx_optimizer_boxes_one_variable_per_array():
+  from flax import nnx  # noqa: PLC0415
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(8, 8, rngs=rngs)
+      self.r = nnx.Linear(8, 4, rngs=rngs)
+      self.e = nnx.Param(jnp.ones((4, 8, 16)))
+
+  for tx in (sj.skewadam(1e-3), sj.skewadam(1e-3, tiers=sj.MUON_TIERS), sj.adampm(1e-3)):
+    opt = nnx.Optimizer(Model(nnx.Rngs(0)), tx, wrt=nnx.Param)
+    state = nnx.state(opt.opt_state)
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert all(isinstance(v, nnx.Variable) for v in variables)
+    assert len(variables) == len(jax.tree.leaves(state))
+
+
+def test_one_transform_of_tiers_updates_as_a_partition_of_tiers():
+  """`scale_by_tiers` is bitwise `optax.partition` of `scale_by_tiered_adam` per tier,
+  with one state holding only what each leaf keeps."""
+  params = _toy()
+  labels = sj.moe_param_labels(params)
+  tiers = dict(sj.MUON_TIERS, experts=sj.Tier(momentum=False, second_moment='grouped',
+                                                group_size=4))
+  ours = sj.scale_by_tiers(tiers, labels, 0.8, 0.99, 1e-8)
+  theirs = optax.partition(
+      {name: sj.scale_by_tiered_adam(0.8, 0.99, 1e-8, tier=tier)
+       for name, tier in tiers.items()}, labels)
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  step_ours, step_theirs = jax.jit(ours.update), jax.jit(theirs.update)
+  for i in range(3):
+    g = jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 1) + jnp.arange(p.size).reshape(p.shape)),
+                     params)
+    u_ours, s_ours = step_ours(g, s_ours, params)
+    u_theirs, s_theirs = step_theirs(g, s_theirs, params)
+    jax.tree.map(np.testing.assert_array_equal, u_ours, u_theirs)
+  for name in tiers:
+    inner = s_theirs.inner_states[name].inner_state
+    for field in ('mu', 'v_row', 'v_col', 'v'):
+      kept = jax.tree.leaves(getattr(inner, field))
+      mine = [x for x, label in zip(jax.tree.leaves(getattr(s_ours, field), is_leaf=lambda x:
+                                                    x is None),
+                                    jax.tree.leaves(labels)) if label == name and x is not None]
+      assert len(kept) == len(mine)
+      for a, b in zip(kept, mine):
+        np.testing.assert_array_equal(a, b)
+  assert int(s_ours.count) == 3

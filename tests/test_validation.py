@@ -224,9 +224,9 @@ def test_label_tree_that_does_not_match_the_params_is_rejected():
 def test_label_tree_prefix_is_accepted():
   labels = {'embed': 'backbone', 'moe': {'router': 'router', 'experts': 'experts'}}
   state = sj.skewadam(1e-3, param_labels=labels).init(PARAMS)
-  inner = optax.tree_utils.tree_get(state, 'inner_states')
-  assert optax.tree_utils.tree_get(inner['experts'], 'v_row')['moe']['experts']['w1'].shape \
-      == (3, 4)
+  v_row = optax.tree_utils.tree_get(state, 'v_row')
+  assert v_row['moe']['experts']['w1'].shape == (3, 4)
+  assert optax.tree_utils.tree_get(state, 'mu')['moe']['experts']['w1'] is None  # experts
 
 
 # ---------------------------------------------------------------------------------------

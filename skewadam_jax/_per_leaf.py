@@ -1,0 +1,133 @@
+"""The per-leaf scaffold shared by the transforms: the state's fields, leaf by leaf.
+
+`scale_by_tiers` (SkewAdam's tiers, `scale_by_tiered_adam` for one tier) and
+`scale_by_grouped_second_moment` (AdamPM) keep, per parameter, a few arrays (momentum,
+statistics), each in a field of one state NamedTuple that has the params' structure.
+Their rules differ; what is around the rules is the same, and lives here:
+
+* the params (or updates) flattened with readable paths, a Python scalar leaf as a 0-d
+  array (as optax treats it), checked to be floating point at `init`;
+* each field built from per-leaf values. A slot that a leaf does not keep is `None`
+  in place of the leaf (or of its Flax box): an empty pytree node, not a leaf for jax,
+  optax, Flax (`nnx.Optimizer` boxes every leaf of the state in a Variable) or Orbax,
+  so the state has exactly one entry per array kept. `optax.MaskedNode`s of
+  `optax.partition`'s other groups stay where they are;
+* each Flax box of a statistic renamed to the axes the statistic keeps
+  (`_flax.rename_boxes`), from the specs its estimator gives;
+* a field read back per leaf at `update` (also when only box metadata differs, or the
+  state was unboxed by `nnx.Optimizer`);
+* the step count and Adam's bias corrections `1 - b^t`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from skewadam_jax import _checks
+from skewadam_jax import _flax
+from skewadam_jax import _paths
+from skewadam_jax import _tree
+
+Names = tuple[Any, ...]  # one axis name (or None) per dimension
+# The PartitionSpec of each field a leaf keeps (leaf index, parameter's axis names, shape).
+SpecsOf = Callable[[int, Names, tuple[int, ...]], Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaves:
+  """A tree's leaves with their paths, and how to build and read per-leaf fields.
+
+  Attributes:
+    tree: the params (at `init`) or the updates (at `update`), as given.
+    paths: each leaf's '/'-joined normalised path.
+    arrays: each leaf as an array (Python scalars as 0-d arrays).
+    treedef: the tree's structure.
+  """
+  tree: Any
+  paths: tuple[str, ...]
+  arrays: tuple[Any, ...]
+  treedef: Any
+
+  @classmethod
+  def of(cls, tree: Any, transform: Optional[str] = None) -> Leaves:
+    """`tree`'s leaves; with `transform` (its name, for the error), each must be a float."""
+    flat, treedef = _paths.flatten_with_paths(tree)
+    paths = tuple(path for path, _ in flat)
+    arrays = tuple(_tree.as_array(x) for _, x in flat)
+    if transform is not None:
+      for path, x in zip(paths, arrays):
+        _checks.check_float_leaf(path, x.dtype, transform)
+    return cls(tree, paths, arrays, treedef)
+
+  def unflatten(self, values: Sequence[Any]) -> Any:
+    """A tree of the leaves' structure holding `values` (the updates)."""
+    return self.treedef.unflatten(list(values))
+
+  def field(self, values: Sequence[Any]) -> Any:
+    """A state field: `values[i]` at leaf `i`, and `None` for the whole slot (the leaf,
+    or its Flax box) where `values[i]` is None."""
+    types = _flax.box_types()
+
+    def is_box(x: Any) -> bool:
+      return bool(types) and isinstance(x, types)
+
+    slots, slots_def = jax.tree_util.tree_flatten(self.tree, is_leaf=is_box)
+    it = iter(values)
+    out = []
+    for slot in slots:
+      if not is_box(slot):
+        out.append(next(it))
+        continue
+      inner = jax.tree_util.tree_structure(slot)
+      held = [next(it) for _ in range(inner.num_leaves)]
+      # A box holding no array (a MaskedNode of optax.partition) is kept as it is.
+      out.append(None if any(v is None for v in held) else inner.unflatten(held))
+    return slots_def.unflatten(out)
+
+  def fields(self, rows: Sequence[Mapping[str, Any]], names: Sequence[str],
+             specs_of: Optional[SpecsOf] = None) -> dict[str, Any]:
+    """The state fields `names` from one row (field -> value) per leaf.
+
+    A field missing from a row is `None` there. With `specs_of`, each Flax box of a
+    field that `specs_of` gives a spec for names the axes of that spec.
+    """
+    out = {k: self.field([row.get(k) for row in rows]) for k in names}
+    if specs_of is None:
+      return out
+    index = {path: i for i, path in enumerate(self.paths)}
+
+    def names_for(field: str) -> Callable[[str, tuple[int, ...], Names], Optional[Names]]:
+      def rename(path: str, shape: tuple[int, ...], param_names: Names) -> Optional[Names]:
+        specs = specs_of(index[path], param_names, shape) if path in index else {}
+        return _flax.spec_names(specs[field]) if field in specs else None
+      return rename
+
+    return {k: _flax.rename_boxes(self.tree, v, names_for(k)) for k, v in out.items()}
+
+  def read(self, state: Any, names: Sequence[str]) -> list[dict[str, Any]]:
+    """One row (field -> value, None where the leaf keeps nothing) per leaf of `state`'s
+    fields `names`, which were built for a tree of this one's structure."""
+    columns = [_flax.flatten_like(self.treedef, self.tree, getattr(state, k))
+               for k in names]
+    return [dict(zip(names, row)) for row in zip(*columns)] if columns else []
+
+
+def bias_correction(decay: Any, t: jax.Array) -> jax.Array:
+  """`1 - decay^t` in float32 (`t` the step count as a float32 scalar)."""
+  return 1.0 - jnp.asarray(decay, jnp.float32) ** t
+
+
+def next_count(count: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The step count after this update (saturating, as optax's), and it as a float32."""
+  count = optax.safe_increment(count)
+  return count, count.astype(jnp.float32)
+
+
+def zero_count() -> jax.Array:
+  """The step count of a fresh state."""
+  return jnp.zeros([], jnp.int32)

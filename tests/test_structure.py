@@ -85,6 +85,19 @@ def test_model_trains_with_skewadam_under_jit(case):
   assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
+def test_each_decision_lists_only_the_banks_it_dispatches():
+  # Two routings in sequence over the same E: the second unit's tokens depend on both
+  # decisions, but only the last one dispatched them.
+  case = structure_models.two_decisions_case()
+  assert not any(w in p for p in case.tiers for w in structure_models.FORBIDDEN)
+  result = sj.trace_structure(case.fn, case.params, *case.args)
+  assert _tiers(result) == case.tiers and _axes(result) == case.axes, result.format()
+  assert result.undecided == {}
+  assert [d.routers for d in result.decisions] == [('one/q',), ('two/q',)]
+  assert [d.experts for d in result.decisions] == [('one/u', 'one/v'), ('two/u', 'two/v')]
+
+
 @pytest.mark.slow  # builds a model (seconds of eager init)
 def test_result_is_accepted_by_label_table_and_memory_report():
   case = structure_models.nested_case()

@@ -259,7 +259,8 @@ class _Analysis:
     self.banks: dict[tuple[int, int], dict[str, set[int]]] = {}  # (leaf, axis) -> why -> decs
     self.scans: dict[tuple[int, int], int] = {}  # (leaf, axis) -> scan length
     self.opaque: dict[int, set[str]] = {}  # leaf -> primitives it reached unseen
-    self.pieces: dict[tuple[int, int], int] = {}  # (leaf, axis) taken apart -> length
+    # (leaf, axis) -> the single pieces taken out of it and dropped (None: at a counter)
+    self.pieces: dict[tuple[int, int], set[Optional[int]]] = {}
     self.cut: set[tuple[int, int]] = set()  # router axes of dispatching decisions (pass 3)
     self.out_deps: frozenset = _EMPTY  # leaves the outputs depend on (pass 3)
     self.out_free: frozenset = _EMPTY  # ... other than through the logits (pass 3)
@@ -520,17 +521,19 @@ class _Analysis:
     return [x._replace(axes=tuple(axes), iota=iota)]
 
   def _taken_apart(self, tokens: frozenset) -> None:
-    """A width-1 piece of these axes is dropped: each is a stack of separate pieces."""
+    """A width-1 piece of these axes is dropped: record which one."""
     for t in tokens:
       if t[0] == '1' and self.shapes[t[1][0]][t[1][1]] > 1:
-        self.pieces[t[1]] = self.shapes[t[1][0]][t[1][1]]
+        self.pieces.setdefault(t[1][:2], set()).add(t[1][2])
 
   @staticmethod
-  def _width_one(tokens: frozenset, before: int, after: int) -> frozenset:
-    """Marks the parameter axes of an axis cut from `before` to one (`after`) element."""
+  def _width_one(tokens: frozenset, before: int, after: int, start: Optional[int]
+                 ) -> frozenset:
+    """Marks the parameter axes of an axis cut from `before` to the one element at
+    `start` (None: at a loop counter)."""
     if after != 1 or before <= 1:
       return tokens
-    return tokens | {('1', t) for t in _params_of(tokens)}
+    return tokens | {('1', (*t, start)) for t in _params_of(tokens)}
 
   def _transpose(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     x, perm = ins[0], eqn.params['permutation']
@@ -554,20 +557,23 @@ class _Analysis:
 
   def _slice(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     x, src, dst = ins[0], _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    return [x._replace(axes=tuple(self._width_one(t, a, b) for t, a, b in
-                                  zip(x.axes, src, dst)), iota=None)]
+    starts = eqn.params['start_indices']
+    return [x._replace(axes=tuple(self._width_one(*z) for z in
+                                  zip(x.axes, src, dst, starts)), iota=None)]
 
   def _split(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     """`jnp.split`: each piece keeps the operand's axes, as a slice does."""
     x, src, axis = ins[0], _shape(eqn.invars[0]), eqn.params['axis'] % len(ins[0].axes)
-    return [x._replace(axes=tuple(self._width_one(t, src[a], _shape(v)[a]) if a == axis
-                                  else t for a, t in enumerate(x.axes)), iota=None)
-            for v in eqn.outvars]
+    starts = np.cumsum([0, *eqn.params['sizes']])
+    return [x._replace(axes=tuple(
+        self._width_one(t, src[a], _shape(v)[a], int(start)) if a == axis else t
+        for a, t in enumerate(x.axes)), iota=None) for v, start in zip(eqn.outvars, starts)]
 
   def _unstack(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     """`jnp.unstack`: the axis is taken apart into its single pieces."""
     x, axis = ins[0], eqn.params['axis'] % len(ins[0].axes)
-    self._taken_apart(self._width_one(x.axes[axis], 2, 1))
+    for i in range(len(eqn.outvars)):
+      self._taken_apart(self._width_one(x.axes[axis], 2, 1, i))
     axes = tuple(t for a, t in enumerate(x.axes) if a != axis)
     return [x._replace(axes=axes, iota=None) for _ in eqn.outvars]
 
@@ -590,8 +596,10 @@ class _Analysis:
         for t in _params_of(x.axes[axis]):
           if self.shapes[t[0]][t[1]] == self.decision(s.eid).num_experts:
             self._bank(t, s.eid, 'dynamically sliced by expert id')
-      elif not s.data and not s.routed:  # a loop counter, not a lookup by data
-        axes[axis] = self._width_one(axes[axis], src[axis], dst[axis])
+      elif not s.data and not s.routed:  # a constant or a loop counter, not data
+        var = eqn.invars[1 + axis]
+        start = int(var.val) if isinstance(var, jex_core.Literal) else None
+        axes[axis] = self._width_one(axes[axis], src[axis], dst[axis], start)
     data, routed = self._common(ins)
     return [_Info(tuple(axes), data, routed, x.eid)]
 
@@ -999,7 +1007,10 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
       elif k in analysis.opaque:
         undecided[path] = ('reaches ' + ', '.join(sorted(analysis.opaque[k])) +
                            ', which the analysis does not see into')
-    pieces = sorted(a for (leaf, a) in analysis.pieces if leaf == k)
+    # An axis all of whose pieces are taken (or taken at a loop counter) stacks
+    # separate matrices; one row read out of a table does not.
+    pieces = sorted(a for (leaf, a), got in analysis.pieces.items() if leaf == k and (
+        None in got or got >= set(range(shape[a]))))
     if pieces:
       notes.append(f'axis {_axis_list(pieces)} taken apart into single pieces (separate '
                    'matrices)')

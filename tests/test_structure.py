@@ -274,6 +274,19 @@ def test_scanned_axis_through_reshape_and_slice():
   assert result.batch_axes == {'w': (1,)}
 
 
+def test_stacked_pieces_are_batch_axes_only_when_every_piece_is_taken():
+  def fn(p, x):
+    pair = (x @ p['w'][0]) * (x @ p['w'][1])  # both pieces of a stored pair
+    one = x @ p['t'][3]  # one row of a table
+    rows = [x @ r for r in jnp.split(p['s'], 3, axis=1)]  # width-1 pieces by split
+    return pair.sum(-1) + one + sum(r[:, 0] for r in rows)
+
+  params = {'w': jnp.zeros((2, D, F)), 't': jnp.zeros((5, D)), 's': jnp.zeros((D, 3))}
+  result = sj.trace_structure(fn, params, X)
+  assert result.batch_axes == {'w': (0,), 't': (), 's': (1,)}, result.format()
+  assert result.labels == {'w': 'backbone', 't': 'backbone', 's': 'backbone'}
+
+
 def test_scan_over_inputs_is_not_a_layer_axis():
   def fn(p, xs):  # an RNN over time: the scanned axis is the sequence
     pos = xs + p['pos']

@@ -9,17 +9,25 @@ on data) and follows every parameter through it:
   (argsort) whose selected axis carries a parameter's axis; the parameters whose axes
   reach that axis (the kernel whose contraction produces the logits' expert axis, and
   any bias or scale added to the logits) are the **router**, and the axis's length is
-  the expert count `E`;
+  the expert count `E`; so is a parameter that the logits depend on and that reaches
+  the outputs only through them (a scale of the router's input);
 * an **expert bank** is a parameter whose axis of length `E` meets an expert-indexed
   axis: a `dot_general` batch dimension shared with tokens dispatched by the decision
   (gathered, scattered or sorted by routing indices), a batch or contracting dimension
   (or an elementwise alignment) shared with an axis that indexes experts (the router's
-  logits, a one-hot of the expert ids), the group axis of a `ragged_dot`, or an axis
-  gathered (or dynamically sliced) by expert ids; that axis is a batch axis;
+  logits, a one-hot of the expert ids), the group axis of a `ragged_dot`, an axis
+  gathered (or dynamically sliced) by expert ids (a decision's indices, or an E-long
+  iota read at positions computed from them: `jnp.repeat(arange(E), sizes)`), or an
+  E-long axis of an operand of a call the analysis cannot enter (a Pallas grouped
+  matmul) whose integer operands derive from the decision; that axis is a batch axis;
 * **scanned layers** are parameters consumed (whatever the transposes, reshapes,
   broadcasts and slices on the way) as the `xs` of a `scan` that reads no input data;
   the scanned axis, mapped back to the parameter's own axis, is a batch axis, one per
   nesting level;
+* **stacked matrices**: a parameter axis whose every element is taken out as a single
+  piece and dropped (`unstack`, width-1 `split`s or slices then `squeeze`, a
+  `dynamic_slice` at a loop counter) is a batch axis; an axis merged by a reshape is
+  remembered and given back when a later reshape splits the same sizes apart;
 * everything else (dense paths, shared experts, a decision that dispatches nothing)
   is backbone, with no batch axes: its other axes form one matrix.
 
@@ -27,12 +35,15 @@ Every variable of the jaxpr carries, per axis, the set of parameter axes it deri
 (through `transpose`, `reshape` where the axis survives as its own dimension,
 `broadcast_in_dim`, slicing, elementwise ops, `dot_general` free and batch dimensions,
 `gather` offset dimensions, reductions over the other axes), plus whether it depends on
-the inputs, on which routing decisions, and whether its values are expert ids. Calls are
-entered (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `shard_map`), `scan`/`while` carries
-are iterated to a fixed point and `cond` branches are joined. The analysis runs twice:
-the first pass finds the decisions and their routers, the second marks the logits' axes
-as expert-indexed. A parameter that reaches a primitive the analysis does not know is
-reported as undecided, as is one the function never reads.
+the inputs, on which routing decisions, whether its values are expert ids, and which
+leaves its values depend on (all of them, and those not only through a router's
+logits). Calls are entered (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `shard_map`),
+`scan`/`while` carries are iterated to a fixed point and `cond` branches are joined.
+The analysis runs up to three times: the first pass finds the decisions and their
+routers, the second marks the logits' axes as expert-indexed, the third (when a
+decision dispatches a bank) stops the value dependences at the logits. A parameter
+that reaches a primitive the analysis does not know is reported as undecided, as is
+one the function never reads.
 """
 
 from __future__ import annotations

@@ -600,5 +600,8 @@ def two_decisions_case() -> Case:
 
 CASES: dict[str, Callable[[], Case]] = {
     'nnx': nnx_case, 'linen': linen_case, 'ragged': ragged_case, 'nested': nested_case,
-    'eqx': eqx_case, 'consts': consts_case, 'kernel': kernel_case, 'ids': ids_case,
-    'scaled': scaled_case, 'pairs': pairs_case, 'split': split_case}
+    'eqx': eqx_case}
+# One pattern of real MoE code each (one routing decision, like `CASES`).
+PATTERNS: dict[str, Callable[[], Case]] = {
+    'consts': consts_case, 'kernel': kernel_case, 'ids': ids_case, 'scaled': scaled_case,
+    'pairs': pairs_case, 'split': split_case}

@@ -36,9 +36,10 @@ def _routed(x, logits, pick='top_k'):
 # ---------------------------------------------------------------------------- models
 
 
-@pytest.fixture(scope='module', params=sorted(structure_models.CASES))
+@pytest.fixture(scope='module',
+                params=sorted(structure_models.CASES) + sorted(structure_models.PATTERNS))
 def case(request):
-  return structure_models.CASES[request.param]()
+  return {**structure_models.CASES, **structure_models.PATTERNS}[request.param]()
 
 
 @pytest.mark.slow  # builds a model (seconds of eager init)

@@ -9,17 +9,25 @@ on data) and follows every parameter through it:
   (argsort) whose selected axis carries a parameter's axis; the parameters whose axes
   reach that axis (the kernel whose contraction produces the logits' expert axis, and
   any bias or scale added to the logits) are the **router**, and the axis's length is
-  the expert count `E`;
+  the expert count `E`; so is a parameter that the logits depend on and that reaches
+  the outputs only through them (a scale of the router's input);
 * an **expert bank** is a parameter whose axis of length `E` meets an expert-indexed
   axis: a `dot_general` batch dimension shared with tokens dispatched by the decision
   (gathered, scattered or sorted by routing indices), a batch or contracting dimension
   (or an elementwise alignment) shared with an axis that indexes experts (the router's
-  logits, a one-hot of the expert ids), the group axis of a `ragged_dot`, or an axis
-  gathered (or dynamically sliced) by expert ids; that axis is a batch axis;
+  logits, a one-hot of the expert ids), the group axis of a `ragged_dot`, an axis
+  gathered (or dynamically sliced) by expert ids (a decision's indices, or an E-long
+  iota read at positions computed from them: `jnp.repeat(arange(E), sizes)`), or an
+  E-long axis of an operand of a call the analysis cannot enter (a Pallas grouped
+  matmul) whose integer operands derive from the decision; that axis is a batch axis;
 * **scanned layers** are parameters consumed (whatever the transposes, reshapes,
   broadcasts and slices on the way) as the `xs` of a `scan` that reads no input data;
   the scanned axis, mapped back to the parameter's own axis, is a batch axis, one per
   nesting level;
+* **stacked matrices**: a parameter axis whose every element is taken out as a single
+  piece and dropped (`unstack`, width-1 `split`s or slices then `squeeze`, a
+  `dynamic_slice` at a loop counter) is a batch axis; an axis merged by a reshape is
+  remembered and given back when a later reshape splits the same sizes apart;
 * everything else (dense paths, shared experts, a decision that dispatches nothing)
   is backbone, with no batch axes: its other axes form one matrix.
 
@@ -27,12 +35,15 @@ Every variable of the jaxpr carries, per axis, the set of parameter axes it deri
 (through `transpose`, `reshape` where the axis survives as its own dimension,
 `broadcast_in_dim`, slicing, elementwise ops, `dot_general` free and batch dimensions,
 `gather` offset dimensions, reductions over the other axes), plus whether it depends on
-the inputs, on which routing decisions, and whether its values are expert ids. Calls are
-entered (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `shard_map`), `scan`/`while` carries
-are iterated to a fixed point and `cond` branches are joined. The analysis runs twice:
-the first pass finds the decisions and their routers, the second marks the logits' axes
-as expert-indexed. A parameter that reaches a primitive the analysis does not know is
-reported as undecided, as is one the function never reads.
+the inputs, on which routing decisions, whether its values are expert ids, and which
+leaves its values depend on (all of them, and those not only through a router's
+logits). Calls are entered (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `shard_map`),
+`scan`/`while` carries are iterated to a fixed point and `cond` branches are joined.
+The analysis runs up to three times: the first pass finds the decisions and their
+routers, the second marks the logits' axes as expert-indexed, the third (when a
+decision dispatches a bank) stops the value dependences at the logits. A parameter
+that reaches a primitive the analysis does not know is reported as undecided, as is
+one the function never reads.
 """
 
 from __future__ import annotations
@@ -54,7 +65,8 @@ _EMPTY: frozenset = frozenset()
 # the others are constants (index normalisation `where(i < 0, i + E, i)`, clipping).
 _ID_PRESERVING = frozenset({
     'add', 'sub', 'max', 'min', 'clamp', 'select_n', 'convert_element_type', 'copy',
-    'copy_p', 'rem', 'stop_gradient', 'reduce_precision', 'pvary', 'optimization_barrier'})
+    'copy_p', 'rem', 'stop_gradient', 'reduce_precision', 'pvary', 'optimization_barrier',
+    'name'})
 _COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge'})
 _REDUCTIONS = frozenset({'reduce_sum', 'reduce_max', 'reduce_min', 'reduce_prod',
                          'reduce_and', 'reduce_or', 'reduce_xor', 'argmax', 'argmin'})
@@ -143,6 +155,8 @@ class _Info(NamedTuple):
   routed: frozenset = _EMPTY  # routing decisions it depends on
   eid: Optional[int] = None  # its values are expert ids of this decision
   iota: Optional[int] = None  # its values are the index along this axis
+  deps: frozenset = _EMPTY  # leaves its values depend on
+  free: frozenset = _EMPTY  # leaves reaching it other than through a router's logits
 
 
 def _blank(ndim: int) -> _Info:
@@ -166,7 +180,8 @@ def _join(a: _Info, b: _Info) -> _Info:
   """The least upper bound of two facts about the same variable."""
   axes = a.axes if len(a.axes) != len(b.axes) else tuple(x | y for x, y in zip(a.axes, b.axes))
   return _Info(axes, a.data or b.data, a.routed | b.routed,
-               a.eid if a.eid == b.eid else None, a.iota if a.iota == b.iota else None)
+               a.eid if a.eid == b.eid else None, a.iota if a.iota == b.iota else None,
+               a.deps | b.deps, a.free | b.free)
 
 
 def _reshape_groups(src: Sequence[int], dst: Sequence[int]
@@ -224,11 +239,25 @@ def _closed(sub: Any) -> tuple[Any, list[Any]]:
   return sub, []
 
 
+def _scan_groups(eqn: Any) -> tuple[int, int]:
+  """How many of a `scan`'s operands are consts and carries (then come the xs).
+
+  jax < 0.12 gives the counts (`num_consts`, `num_carry`); later versions give `ft_in`,
+  the flattened (consts, carry, xs) groups.
+  """
+  p = eqn.params
+  if 'num_consts' in p:
+    return p['num_consts'], p['num_carry']
+  consts, carry, _ = p['ft_in'].update(list(range(len(eqn.invars)))).unpack()
+  return len(list(consts)), len(list(carry))
+
+
 @dataclasses.dataclass
 class _Decision:
   primitive: str
   num_experts: int
   routers: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+  deps: frozenset = _EMPTY  # leaves the selected values (the logits) depend on
 
 
 class _Analysis:
@@ -242,6 +271,11 @@ class _Analysis:
     self.banks: dict[tuple[int, int], dict[str, set[int]]] = {}  # (leaf, axis) -> why -> decs
     self.scans: dict[tuple[int, int], int] = {}  # (leaf, axis) -> scan length
     self.opaque: dict[int, set[str]] = {}  # leaf -> primitives it reached unseen
+    # (leaf, axis) -> the single pieces taken out of it and dropped (None: at a counter)
+    self.pieces: dict[tuple[int, int], set[Optional[int]]] = {}
+    self.cut: set[tuple[int, int]] = set()  # router axes of dispatching decisions (pass 3)
+    self.out_deps: frozenset = _EMPTY  # leaves the outputs depend on (pass 3)
+    self.out_free: frozenset = _EMPTY  # ... other than through the logits (pass 3)
 
   # -- records
 
@@ -256,6 +290,7 @@ class _Analysis:
       self.decisions[key] = _Decision(prim, length)
       self.order.append(key)
     self.decisions[key].routers.update(params)
+    self.decisions[key].deps = self.decisions[key].deps | operand.deps
     return self.order.index(key)
 
   def _experts_of(self, tokens: frozenset, dispatched: bool) -> set[int]:
@@ -274,11 +309,22 @@ class _Analysis:
     """Parameter axes in `mine` of length E meet an axis indexing E experts: banks."""
     if not any(isinstance(t[0], int) for t in mine):
       return
-    for dec in self._experts_of(other, dispatched):
-      e = self.decision(dec).num_experts
-      for leaf, axis in _params_of(mine):
-        if self.shapes[leaf][axis] == e and (leaf, axis) not in self.router_tokens:
-          self._bank((leaf, axis), dec, why)
+    decs = self._experts_of(other, dispatched)
+    for leaf, axis in _params_of(mine):
+      if (leaf, axis) in self.router_tokens:
+        continue
+      dec = self.latest(decs, self.shapes[leaf][axis])
+      if dec is not None:
+        self._bank((leaf, axis), dec, why)
+
+  def latest(self, decs: Any, num_experts: int) -> Optional[int]:
+    """The last of `decs` over `num_experts` experts (None if none).
+
+    A value's `routed` set holds every decision upstream of it, those of earlier layers
+    included; tokens dispatched to a bank were dispatched by the last of them.
+    """
+    matching = [d for d in decs if self.decision(d).num_experts == num_experts]
+    return max(matching) if matching else None
 
   def decision(self, dec: int) -> _Decision:
     return self.decisions[self.order[dec]]
@@ -314,21 +360,86 @@ class _Analysis:
 
   def eqn(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     prim = eqn.primitive.name
+    if prim in ('scan', 'while', 'cond'):  # value dependences follow the bodies
+      return getattr(self, '_' + prim)(eqn, ins)
     handler = getattr(self, '_' + prim.replace('-', '_'), None)
+    if handler is None and prim not in _REDUCTIONS and prim not in _SCATTERS:
+      sub = _sub_jaxpr(eqn)
+      if sub is not None:
+        return self.run(sub[0], ins, sub[1])
     if handler is not None:
-      return handler(eqn, ins)
-    if prim in _REDUCTIONS:
-      return self._reduce(eqn, ins)
-    if prim in _SCATTERS:
-      return self._scatter_any(eqn, ins)
-    sub = _sub_jaxpr(eqn)
-    if sub is not None:
-      return self.run(sub[0], ins, sub[1])
-    if self._elementwise_shapes(eqn):
-      return self._elementwise(eqn, ins)
-    self._opaque(prim, ins)
-    return [_Info(_blank(len(_shape(v))).axes, any(x.data for x in ins),
-                  frozenset().union(*(x.routed for x in ins))) for v in eqn.outvars]
+      outs = handler(eqn, ins)
+    elif prim in _REDUCTIONS:
+      outs = self._reduce(eqn, ins)
+    elif prim in _SCATTERS:
+      outs = self._scatter_any(eqn, ins)
+    elif self._elementwise_shapes(eqn):
+      outs = self._elementwise(eqn, ins)
+    else:
+      outs = self._opaque_call(eqn, ins)
+    return self._depend(eqn, ins, outs)
+
+  def _depend(self, eqn: Any, ins: list[_Info], outs: list[_Info]) -> list[_Info]:
+    """Value dependences: every output depends on every input.
+
+    `free` leaves the logits of a dispatching decision behind: where a contraction or
+    an elementwise op makes values carrying a router's expert axis (`self.cut`), the
+    operands none of whose axes line up with that axis (the hidden states and their
+    scales, contracted into the logits) stop there.
+    """
+    deps = frozenset().union(*(x.deps for x in ins))
+    free = frozenset().union(*(x.free for x in ins))
+    prim = eqn.primitive.name
+    if self.cut and (prim == 'dot_general' or (
+        len(outs) == 1 and self._elementwise_shapes(eqn))):
+      out_axes = outs[0].axes
+      hot = [bool(self.cut.intersection(t)) for t in out_axes]
+      if any(hot):
+        free = frozenset().union(*(x.free for x, v in zip(ins, eqn.invars)
+                                   if self._aligned(eqn, x, v, hot)))
+    return [o._replace(deps=deps, free=free) for o in outs]
+
+  def _aligned(self, eqn: Any, x: _Info, var: Any, hot: list[bool]) -> bool:
+    """Whether operand `var` supplies a non-trivial output axis flagged in `hot`."""
+    if any(self.cut.intersection(t) for t in x.axes):
+      return True
+    shape = _shape(var)
+    if eqn.primitive.name != 'dot_general':
+      return any(h and n > 1 for h, n in zip(hot, shape)) if len(shape) == len(hot) else False
+    (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+    lhs = var is eqn.invars[0]
+    batch, contract = (lb, lc) if lhs else (rb, rc)
+    nl = len(_shape(eqn.invars[0]))
+    free_l = [i for i in range(nl) if i not in lc and i not in lb]
+    start = len(lb) + (0 if lhs else len(free_l))
+    free_dims = [i for i in range(len(shape)) if i not in contract and i not in batch]
+    positions = list(range(len(lb))) + [start + j for j in range(len(free_dims))]
+    return any(hot[p] for p in positions if p < len(hot))
+
+  def _opaque_call(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    """A call the analysis cannot enter (a Pallas kernel, a callback).
+
+    When its integer operands carry a routing decision over E experts (group sizes or
+    offsets computed from the expert ids), it is read as a grouped matmul: a parameter
+    operand's axis of length E is that decision's expert axis.
+    """
+    prim = eqn.primitive.name
+    routed = frozenset().union(*(x.routed for x, v in zip(ins, eqn.invars)
+                                 if np.issubdtype(getattr(v.aval, 'dtype', np.float32),
+                                                  np.integer)))
+    found = False
+    for x in ins:
+      for tokens in x.axes:
+        for leaf, axis in _params_of(tokens):
+          dec = self.latest(routed, self.shapes[leaf][axis])
+          if dec is not None:
+            self._bank((leaf, axis), dec, f'an E-long operand axis of {prim}, whose '
+                       'integer operands are routed (read as a grouped matmul)')
+            found = True
+    if not found:
+      self._opaque(prim, ins)
+    data, routed = self._common(ins)
+    return [_Info(_blank(len(_shape(v))).axes, data, routed) for v in eqn.outvars]
 
   @staticmethod
   def _elementwise_shapes(eqn: Any) -> bool:
@@ -406,10 +517,35 @@ class _Analysis:
         # part of a split dispatched axis ([E * C] -> [E, C]) indexes the experts.
         flags = frozenset(t for i in gi for t in x.axes[i] if not isinstance(t[0], int))
         if len(gj) == 1:
-          axes[gj[0]] = flags
-        else:
-          axes[next(j for j in gj if dst[j] > 1)] = flags
+          # The merged axes are remembered, to be given back if split apart again.
+          parts = tuple((src[i], frozenset(_params_of(x.axes[i]))) for i in gi)
+          merged = {('m', parts)} if any(p for _, p in parts) else set()
+          axes[gj[0]] = flags | merged
+          continue
+        axes[next(j for j in gj if dst[j] > 1)] = flags
+        if len(gi) == 1:
+          for t in x.axes[gi[0]]:
+            if t[0] == 'm' and tuple(n for n, _ in t[1]) == tuple(dst[j] for j in gj):
+              for j, (_, tokens) in zip(gj, t[1]):
+                axes[j] = axes[j] | tokens
+      elif gi:  # a size-1 axis dropped
+        self._taken_apart(x.axes[gi[0]])
     return [x._replace(axes=tuple(axes), iota=iota)]
+
+  def _taken_apart(self, tokens: frozenset) -> None:
+    """A width-1 piece of these axes is dropped: record which one."""
+    for t in tokens:
+      if t[0] == '1' and self.shapes[t[1][0]][t[1][1]] > 1:
+        self.pieces.setdefault(t[1][:2], set()).add(t[1][2])
+
+  @staticmethod
+  def _width_one(tokens: frozenset, before: int, after: int, start: Optional[int]
+                 ) -> frozenset:
+    """Marks the parameter axes of an axis cut from `before` to the one element at
+    `start` (None: at a loop counter)."""
+    if after != 1 or before <= 1:
+      return tokens
+    return tokens | {('1', (*t, start)) for t in _params_of(tokens)}
 
   def _transpose(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     x, perm = ins[0], eqn.params['permutation']
@@ -421,23 +557,63 @@ class _Analysis:
     ndim = len(x.axes)
     drop = {d % ndim for d in eqn.params['dimensions']}
     keep = [i for i in range(ndim) if i not in drop]
+    for d in drop:
+      self._taken_apart(x.axes[d])
     return [x._replace(axes=tuple(x.axes[i] for i in keep),
                        iota=keep.index(x.iota) if x.iota in keep else None)]
 
   def _same_rank(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     return [ins[0]._replace(iota=None)]
 
-  _slice = _pad = _rev = _same_rank
+  _pad = _rev = _same_rank
+
+  def _slice(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    x, src, dst = ins[0], _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    starts = eqn.params['start_indices']
+    return [x._replace(axes=tuple(self._width_one(*z) for z in
+                                  zip(x.axes, src, dst, starts)), iota=None)]
+
+  def _split(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    """`jnp.split`: each piece keeps the operand's axes, as a slice does."""
+    x, src, axis = ins[0], _shape(eqn.invars[0]), eqn.params['axis'] % len(ins[0].axes)
+    starts = np.cumsum([0, *eqn.params['sizes']])
+    return [x._replace(axes=tuple(
+        self._width_one(t, src[a], _shape(v)[a], int(start)) if a == axis else t
+        for a, t in enumerate(x.axes)), iota=None) for v, start in zip(eqn.outvars, starts)]
+
+  def _unstack(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    """`jnp.unstack`: the axis is taken apart into its single pieces."""
+    x, axis = ins[0], eqn.params['axis'] % len(ins[0].axes)
+    for i in range(len(eqn.outvars)):
+      self._taken_apart(self._width_one(x.axes[axis], 2, 1, i))
+    axes = tuple(t for a, t in enumerate(x.axes) if a != axis)
+    return [x._replace(axes=axes, iota=None) for _ in eqn.outvars]
+
+  def _conv_general_dilated(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
+    """A convolution: batch from the input, output features from the kernel."""
+    lhs, rhs = ins[0], ins[1]
+    lspec, rspec, ospec = eqn.params['dimension_numbers']
+    axes = [_EMPTY] * len(_shape(eqn.outvars[0]))
+    axes[ospec[0]] = lhs.axes[lspec[0]]
+    axes[ospec[1]] = rhs.axes[rspec[0]]
+    data, routed = self._common(ins)
+    return [_Info(tuple(axes), data, routed)]
 
   def _dynamic_slice(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     x, starts = ins[0], ins[1:]
+    axes = list(x.axes)
+    src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     for axis, s in enumerate(starts):
       if s.eid is not None:
         for t in _params_of(x.axes[axis]):
           if self.shapes[t[0]][t[1]] == self.decision(s.eid).num_experts:
             self._bank(t, s.eid, 'dynamically sliced by expert id')
+      elif not s.data and not s.routed:  # a constant or a loop counter, not data
+        var = eqn.invars[1 + axis]
+        start = int(var.val) if isinstance(var, jex_core.Literal) else None
+        axes[axis] = self._width_one(axes[axis], src[axis], dst[axis], start)
     data, routed = self._common(ins)
-    return [_Info(x.axes, data, routed, x.eid)]
+    return [_Info(tuple(axes), data, routed, x.eid)]
 
   def _dynamic_update_slice(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     x, u = ins[0], ins[1]
@@ -538,11 +714,10 @@ class _Analysis:
     groups = tuple(numbers.rhs_group_dimensions)
     for g in groups:
       n = _shape(eqn.invars[1])[g]
-      decs = [d for d in sizes.routed if self.decision(d).num_experts == n] or [None]
+      dec = self.latest(sizes.routed, n)
       for t in _params_of(rhs.axes[g]):
         if self.shapes[t[0]][t[1]] == n:
-          for dec in decs:
-            self._bank(t, dec, 'group axis of a ragged_dot')
+          self._bank(t, dec, 'group axis of a ragged_dot')
     axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
     axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
     axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb
@@ -580,7 +755,11 @@ class _Analysis:
         tokens = tokens | x.axes[pairs[d]]
       axes[p] = tokens
     data, routed = self._common(ins)
-    eid = x.eid if x.eid is not None else None
+    eid = x.eid
+    if eid is None and x.iota is not None and x.iota in dn.start_index_map:
+      # `jnp.repeat(arange(E), group_sizes)[i]`: reading the index along an E-long axis
+      # at positions computed from a decision's choices yields that decision's ids.
+      eid = self.latest(idx.routed, src[x.iota])
     return [_Info(tuple(axes), data, routed, eid)]
 
   def _scatter_any(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
@@ -616,7 +795,7 @@ class _Analysis:
   def _scan(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     p = eqn.params
     jaxpr, consts = _closed(p['jaxpr'])
-    nc, nk = p['num_consts'], p['num_carry']
+    nc, nk = _scan_groups(eqn)
     length = p['length']
     xs = ins[nc + nk:]
     for x in xs:
@@ -654,7 +833,8 @@ class _Analysis:
       jaxpr, consts = _closed(branch)
       got = self.run(jaxpr, ops, consts)
       outs = got if outs is None else [_join(a, b) for a, b in zip(outs, got)]
-    return [o._replace(data=o.data or index.data, routed=o.routed | index.routed)
+    return [o._replace(data=o.data or index.data, routed=o.routed | index.routed,
+                       deps=o.deps | index.deps, free=o.free | index.free)
             for o in outs or []]
 
 
@@ -749,8 +929,8 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
   closed = jax.make_jaxpr(traced)(*[_abstract(leaves[i]) for i in pidx],
                                   *[_abstract(arg_flat[i]) for i in aidx])
   jaxpr = closed.jaxpr
-  infos = [_Info(tuple(frozenset({(k, a)}) for a in range(len(shapes[k]))))
-           for k in range(len(pidx))]
+  infos = [_Info(tuple(frozenset({(k, a)}) for a in range(len(shapes[k]))),
+                 deps=frozenset({k}), free=frozenset({k})) for k in range(len(pidx))]
   infos += [_Info(_blank(len(_shape(v))).axes, data=True) for v in jaxpr.invars[len(pidx):]]
 
   analysis = _Analysis(shapes)
@@ -760,6 +940,15 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
       analysis.router_tokens.setdefault(token, set()).add(dec)
   analysis.banks.clear()
   analysis.run(jaxpr, infos, closed.consts)  # second pass: the logits index experts
+  confirmed = {d for why in analysis.banks.values() for decs in why.values() for d in decs}
+  analysis.cut = {t for t, decs in analysis.router_tokens.items() if decs & confirmed}
+  if analysis.cut:  # third pass: which leaves reach the outputs other than via the logits
+    analysis.banks.clear()
+    outs = analysis.run(jaxpr, infos, closed.consts)
+  else:
+    outs = []
+  analysis.out_deps = frozenset().union(*(o.deps for o in outs))
+  analysis.out_free = frozenset().union(*(o.free for o in outs))
 
   read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex_core.Literal)}
   read |= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
@@ -777,6 +966,15 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
   for dec, key in enumerate(analysis.order):
     for leaf, _ in analysis.decisions[key].routers:
       (routers if dec in confirmed else candidates).setdefault(leaf, set()).add(dec)
+  # A leaf feeding the logits whose every way to the outputs goes through them (a scale
+  # of the router's input) acts on the routing only: router, whatever its axes.
+  banked = {leaf for leaf, _ in analysis.banks}
+  inputs: dict[int, set[int]] = {}  # leaf -> confirmed decisions it only routes
+  for dec in confirmed:
+    for leaf in analysis.decision(dec).deps:
+      if (leaf in analysis.out_deps and leaf not in analysis.out_free
+          and leaf not in routers and leaf not in banked):
+        inputs.setdefault(leaf, set()).add(dec)
   rows, undecided = [], {}
   for k, (path, shape) in enumerate(zip(paths, shapes)):
     layers = tuple(sorted(a for (leaf, a) in analysis.scans if leaf == k))
@@ -791,6 +989,11 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
       decs = sorted(routers[k])
       d = analysis.decision(decs[0])
       notes.insert(0, f'produces the logits of {d.primitive} over E={d.num_experts} experts')
+    elif k in inputs:
+      tier = ROUTER
+      d = analysis.decision(min(inputs[k]))
+      notes.insert(0, f'reaches the outputs only through the logits of {d.primitive} over '
+                   f'E={d.num_experts} experts')
     elif found:
       tier = EXPERTS
       expert_axis = max(sorted(found), key=lambda a: sum(len(v) for v in found[a].values()))
@@ -811,7 +1014,14 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
       elif k in analysis.opaque:
         undecided[path] = ('reaches ' + ', '.join(sorted(analysis.opaque[k])) +
                            ', which the analysis does not see into')
-    axes = set(layers) | ({expert_axis} if expert_axis is not None else set())
+    # An axis all of whose pieces are taken (or taken at a loop counter) stacks
+    # separate matrices; one row read out of a table does not.
+    pieces = sorted(a for (leaf, a), got in analysis.pieces.items() if leaf == k and (
+        None in got or got >= set(range(shape[a]))))
+    if pieces:
+      notes.append(f'axis {_axis_list(pieces)} taken apart into single pieces (separate '
+                   'matrices)')
+    axes = set(layers) | set(pieces) | ({expert_axis} if expert_axis is not None else set())
     rows.append(LeafStructure(path=path, shape=shape, tier=tier,
                               batch_axes=tuple(sorted(axes)), evidence='; '.join(notes),
                               expert_axis=expert_axis, layer_axes=layers))
@@ -824,7 +1034,8 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
     d = analysis.decision(dec)
     decisions.append(RoutingDecision(
         primitive=d.primitive, num_experts=d.num_experts,
-        routers=tuple(paths[k] for k in sorted(routers) if dec in routers[k]),
+        routers=tuple(paths[k] for k in sorted(set(routers) | set(inputs))
+                      if dec in routers.get(k, inputs.get(k, ()))),
         experts=tuple(sorted({paths[leaf] for (leaf, _), why in analysis.banks.items()
                               if any(dec in v for v in why.values())
                               and rows[leaf].tier == EXPERTS}))))

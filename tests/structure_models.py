@@ -19,6 +19,8 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -362,6 +364,244 @@ def eqx_case() -> Case:
               (_tokens(4),), tiers, axes)
 
 
+# ---------------------------------------------------------------------------- patterns
+#
+# Small plain-JAX models, each a stack of `N` units applied by `lax.scan`, that isolate one
+# pattern of real MoE code: the whole model is right only if that pattern is recognised.
+
+N, K = 2, 2  # stacked units, choices per token
+
+
+def _route(h: jax.Array, logits: jax.Array
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Top-K routing, rows sorted by choice: (rows, group sizes, order, weights)."""
+  weights, idx = jax.lax.top_k(jax.nn.softmax(logits), K)
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat)
+  return jnp.repeat(h, K, axis=0)[order], jnp.bincount(flat, length=E), order, weights
+
+
+def _unroute(out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+  """Back to token order, weighted sum over the K choices."""
+  unsorted = jnp.zeros_like(out).at[order].set(out)
+  return (unsorted.reshape(-1, K, out.shape[-1]) * weights[..., None]).sum(1)
+
+
+def _plain_case(name: str, seed: int, body: dict[str, Any], tiers: dict[str, str],
+                axes: dict[str, tuple[int, ...]],
+                unit: Callable[[jax.Array, Any], jax.Array]) -> Case:
+  """Embedding, `body` (each leaf stacked over N units) scanned by `unit`, a head."""
+  k = _keys(seed, 2)
+  params = {'tab': _normal(k[0], (V, D)), 'body': body, 'out': _normal(k[1], (D, V))}
+
+  def fn(p: Any, tokens: jax.Array) -> jax.Array:
+    x = p['tab'][tokens].reshape(-1, D)
+    x, _ = jax.lax.scan(lambda c, sp: (unit(c, sp), None), x, p['body'])
+    return x @ p['out']
+
+  return Case(name, params, fn, (_tokens(seed),),
+              {'tab': 'backbone', 'out': 'backbone',
+               **{f'body/{p}': t for p, t in tiers.items()}},
+              {'tab': (), 'out': (), **{f'body/{p}': a for p, a in axes.items()}})
+
+
+def _ragged_ffn(rows: jax.Array, sizes: jax.Array, p: dict[str, Any]) -> jax.Array:
+  return jax.lax.ragged_dot(jax.nn.silu(jax.lax.ragged_dot(rows, p['u'], sizes)), p['v'],
+                            sizes)
+
+
+def _bank_leaves(k: list[jax.Array]) -> dict[str, jax.Array]:
+  return {'q': _normal(k[0], (N, D, E)), 'u': _normal(k[1], (N, E, D, F)),
+          'v': _normal(k[2], (N, E, F, D))}
+
+
+_BANK_TIERS = {'q': 'router', 'u': 'experts', 'v': 'experts'}
+_BANK_AXES = {'q': (0,), 'u': (0, 1), 'v': (0, 1)}
+
+
+def consts_case() -> Case:
+  """A scan with a closed-over constant and two carries (jax >= 0.12 names them `ft_in`)."""
+  k = _keys(5, 4)
+  body = {**_bank_leaves(k), 's': jnp.ones((N, D))}
+  shared = _normal(k[3], (D, D))
+
+  def fn(p: Any, tokens: jax.Array) -> jax.Array:
+    x = p['tab'][tokens].reshape(-1, D)
+
+    def step(carry: tuple[jax.Array, jax.Array], sp: Any) -> tuple[Any, None]:
+      x, acc = carry
+      h = (x * sp['s']) @ p['mix']  # `mix` is a const of the scan, not stacked
+      rows, sizes, order, weights = _route(h, h @ sp['q'])
+      x = x + _unroute(_ragged_ffn(rows, sizes, sp), order, weights)
+      return (x, acc + x.mean()), None
+
+    (x, acc), _ = jax.lax.scan(step, (x, jnp.zeros(())), p['body'])
+    return x @ p['out'] + acc
+
+  case = _plain_case('dict_scan_consts_two_carries_ragged_dot', 5, body,
+                     {**_BANK_TIERS, 's': 'backbone'}, {**_BANK_AXES, 's': (0,)},
+                     lambda x, sp: x)
+  case.params['mix'] = shared
+  case.tiers['mix'], case.axes['mix'] = 'backbone', ()
+  case.fn = fn
+  return case
+
+
+def _grouped_kernel(ids_ref: Any, x_ref: Any, w_ref: Any, o_ref: Any) -> None:
+  """One program per group: adds the rows of group `i` times that group's matrix."""
+  i = pl.program_id(0)
+
+  @pl.when(i == 0)
+  def _() -> None:
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+  hit = (ids_ref[...] == i)[:, None]
+  o_ref[...] += jnp.where(hit, jnp.dot(x_ref[...], w_ref[0]), 0.0)
+
+
+def _grouped_reference(ids: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.einsum('td,tdf->tf', x, w[ids])
+
+
+@jax.custom_vjp
+def _grouped(ids: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+  """Row t times w[ids[t]], as a Pallas kernel (interpreted) the analysis cannot enter."""
+  return pl.pallas_call(
+      _grouped_kernel, grid=(w.shape[0],),
+      in_specs=[pl.BlockSpec(ids.shape, lambda i: (0,)),
+                pl.BlockSpec(x.shape, lambda i: (0, 0)),
+                pl.BlockSpec((1,) + w.shape[1:], lambda i: (i, 0, 0))],
+      out_specs=pl.BlockSpec((x.shape[0], w.shape[2]), lambda i: (0, 0)),
+      out_shape=jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype),
+      interpret=True)(ids, x, w)
+
+
+def _grouped_fwd(ids: jax.Array, x: jax.Array, w: jax.Array) -> tuple[jax.Array, Any]:
+  return _grouped(ids, x, w), (ids, x, w)
+
+
+def _grouped_bwd(res: Any, g: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+  ids, x, w = res
+  _, vjp = jax.vjp(lambda a, b: _grouped_reference(ids, a, b), x, w)
+  return (None, *vjp(g))
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def kernel_case() -> Case:
+  """Top-1 routing; the routed bank runs in a Pallas kernel fed the chosen ids."""
+
+  def unit(x: jax.Array, p: Any) -> jax.Array:
+    logits = x @ p['q']
+    weight, idx = jax.lax.top_k(jax.nn.softmax(logits), 1)
+    ids = idx[:, 0].astype(jnp.int32)
+    mid = jax.nn.silu(_grouped(ids, x, p['u']))
+    return x + _grouped(ids, mid, p['v']) * weight
+
+  return _plain_case('dict_scan_pallas_grouped_matmul', 6, _bank_leaves(_keys(6, 3)),
+                     _BANK_TIERS, _BANK_AXES, unit)
+
+
+def ids_case() -> Case:
+  """Per-group biases indexed by `jnp.repeat(arange(E), group sizes)` (named ids)."""
+  k = _keys(7, 5)
+  body = {**_bank_leaves(k), 'c': _normal(k[3], (N, E, F)), 'd': _normal(k[4], (N, E, D))}
+
+  def unit(x: jax.Array, p: Any) -> jax.Array:
+    rows, sizes, order, weights = _route(x, x @ p['q'])
+    ids = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=rows.shape[0])
+    ids = checkpoint_name(ids, 'ids')
+    mid = jax.nn.silu(jax.lax.ragged_dot(rows, p['u'], sizes) + p['c'][ids])
+    out = jax.lax.ragged_dot(mid, p['v'], sizes) + p['d'][ids]
+    return x + _unroute(out, order, weights)
+
+  return _plain_case('dict_scan_repeat_ids_bias', 7, body,
+                     {**_BANK_TIERS, 'c': 'experts', 'd': 'experts'},
+                     {**_BANK_AXES, 'c': (0, 1), 'd': (0, 1)}, unit)
+
+
+def scaled_case() -> Case:
+  """The logits are computed from the normalised input times a vector of their own."""
+  k = _keys(8, 3)
+  body = {**_bank_leaves(k), 'r': jnp.ones((N, D)), 's': jnp.ones((N, D))}
+
+  def unit(x: jax.Array, p: Any) -> jax.Array:
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p['s']
+    rows, sizes, order, weights = _route(h, (h * D ** -0.5 * p['r']) @ p['q'])
+    return x + _unroute(_ragged_ffn(rows, sizes, p), order, weights)
+
+  return _plain_case('dict_scan_scaled_logits_input', 8, body,
+                     {**_BANK_TIERS, 'r': 'router', 's': 'backbone'},
+                     {**_BANK_AXES, 'r': (0,), 's': (0,)}, unit)
+
+
+def pairs_case() -> Case:
+  """Two projections stored as one leaf: taken apart by `unstack`, or merged with the
+  other axis for a `ragged_dot` and split back into [rows, 2, F] and indexed."""
+  k = _keys(9, 5)
+  body = {'q': _normal(k[0], (N, D, E)), 'u': _normal(k[1], (N, E, 2, D, F)),
+          'v': _normal(k[2], (N, E, F, D)), 'w': _normal(k[3], (N, 2, D, F)),
+          'wo': _normal(k[4], (N, F, D))}
+
+  def unit(x: jax.Array, p: Any) -> jax.Array:
+    a, b = jnp.unstack(jnp.einsum('td,pdf->ptf', x, p['w']))
+    common = (a * jax.nn.silu(b)) @ p['wo']
+    rows, sizes, order, weights = _route(x, x @ p['q'])
+    both = p['u'].transpose(0, 2, 1, 3).reshape(E, D, 2 * F)
+    mid = jax.lax.ragged_dot(rows, both, sizes).reshape(-1, 2, F)
+    out = jax.lax.ragged_dot(jax.nn.silu(mid[:, 0]) * mid[:, 1], p['v'], sizes)
+    return x + _unroute(out, order, weights) + common
+
+  return _plain_case('dict_scan_stacked_pairs', 9, body,
+                     {**_BANK_TIERS, 'w': 'backbone', 'wo': 'backbone'},
+                     {**_BANK_AXES, 'u': (0, 1, 2), 'w': (0, 1), 'wo': (0,)}, unit)
+
+
+def split_case() -> Case:
+  """A projection whose output `jnp.split` halves, and a depthwise convolution."""
+  k = _keys(10, 6)
+  body = {**_bank_leaves(k), 'h': _normal(k[3], (N, D, 2 * D)),
+          'cv': _normal(k[4], (N, D, 1, 3))}
+
+  def unit(x: jax.Array, p: Any) -> jax.Array:
+    a, b = jnp.split(x @ p['h'], 2, axis=-1)
+    y = jax.lax.conv_general_dilated((a * jax.nn.silu(b)).T[None], p['cv'], (1,), 'SAME',
+                                     feature_group_count=D)[0].T
+    rows, sizes, order, weights = _route(y, y @ p['q'])
+    return x + y + _unroute(_ragged_ffn(rows, sizes, p), order, weights)
+
+  return _plain_case('dict_scan_split_conv', 10, body,
+                     {**_BANK_TIERS, 'h': 'backbone', 'cv': 'backbone'},
+                     {**_BANK_AXES, 'h': (0,), 'cv': (0,)}, unit)
+
+
+def two_decisions_case() -> Case:
+  """Two units applied one after the other (no scan), each with its own routing."""
+  k = _keys(11, 7)
+  one = {'q': _normal(k[0], (D, E)), 'u': _normal(k[1], (E, D, F)),
+         'v': _normal(k[2], (E, F, D))}
+  two = {'q': _normal(k[3], (D, E)), 'u': _normal(k[4], (E, D, F)),
+         'v': _normal(k[5], (E, F, D))}
+  params = {'tab': _normal(k[6], (V, D)), 'one': one, 'two': two}
+
+  def fn(p: Any, tokens: jax.Array) -> jax.Array:
+    x = p['tab'][tokens].reshape(-1, D)
+    for unit in (p['one'], p['two']):
+      rows, sizes, order, weights = _route(x, x @ unit['q'])
+      x = x + _unroute(_ragged_ffn(rows, sizes, unit), order, weights)
+    return x @ p['tab'].T
+
+  tiers = {'tab': 'backbone', **{f'{u}/{n}': t for u in ('one', 'two')
+                                 for n, t in _BANK_TIERS.items()}}
+  axes = {p: (() if t != 'experts' else (0,)) for p, t in tiers.items()}
+  return Case('dict_two_routings_in_sequence', params, fn, (_tokens(11),), tiers, axes)
+
+
 CASES: dict[str, Callable[[], Case]] = {
     'nnx': nnx_case, 'linen': linen_case, 'ragged': ragged_case, 'nested': nested_case,
     'eqx': eqx_case}
+# One pattern of real MoE code each (one routing decision, like `CASES`).
+PATTERNS: dict[str, Callable[[], Case]] = {
+    'consts': consts_case, 'kernel': kernel_case, 'ids': ids_case, 'scaled': scaled_case,
+    'pairs': pairs_case, 'split': split_case}

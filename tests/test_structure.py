@@ -36,9 +36,10 @@ def _routed(x, logits, pick='top_k'):
 # ---------------------------------------------------------------------------- models
 
 
-@pytest.fixture(scope='module', params=sorted(structure_models.CASES))
+@pytest.fixture(scope='module',
+                params=sorted(structure_models.CASES) + sorted(structure_models.PATTERNS))
 def case(request):
-  return structure_models.CASES[request.param]()
+  return {**structure_models.CASES, **structure_models.PATTERNS}[request.param]()
 
 
 @pytest.mark.slow  # builds a model (seconds of eager init)
@@ -83,6 +84,19 @@ def test_model_trains_with_skewadam_under_jit(case):
     p, state, value = step(p, state)
     losses.append(float(value))
   assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_each_decision_lists_only_the_banks_it_dispatches():
+  # Two routings in sequence over the same E: the second unit's tokens depend on both
+  # decisions, but only the last one dispatched them.
+  case = structure_models.two_decisions_case()
+  assert not any(w in p for p in case.tiers for w in structure_models.FORBIDDEN)
+  result = sj.trace_structure(case.fn, case.params, *case.args)
+  assert _tiers(result) == case.tiers and _axes(result) == case.axes, result.format()
+  assert result.undecided == {}
+  assert [d.routers for d in result.decisions] == [('one/q',), ('two/q',)]
+  assert [d.experts for d in result.decisions] == [('one/u', 'one/v'), ('two/u', 'two/v')]
 
 
 @pytest.mark.slow  # builds a model (seconds of eager init)
@@ -259,6 +273,19 @@ def test_scanned_axis_through_reshape_and_slice():
   assert result.batch_axes == {'w': ()}
   result = sj.trace_structure(fn, {'w': jnp.zeros((D, 3, 2 * D))}, X)
   assert result.batch_axes == {'w': (1,)}
+
+
+def test_stacked_pieces_are_batch_axes_only_when_every_piece_is_taken():
+  def fn(p, x):
+    pair = (x @ p['w'][0]) * (x @ p['w'][1])  # both pieces of a stored pair
+    one = x @ p['t'][3]  # one row of a table
+    rows = [x @ r for r in jnp.split(p['s'], 3, axis=1)]  # width-1 pieces by split
+    return pair.sum(-1) + one + sum(r[:, 0] for r in rows)
+
+  params = {'w': jnp.zeros((2, D, F)), 't': jnp.zeros((5, D)), 's': jnp.zeros((D, 3))}
+  result = sj.trace_structure(fn, params, X)
+  assert result.batch_axes == {'w': (0,), 't': (), 's': (1,)}, result.format()
+  assert result.labels == {'w': 'backbone', 't': 'backbone', 's': 'backbone'}
 
 
 def test_scan_over_inputs_is_not_a_layer_axis():

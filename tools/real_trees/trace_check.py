@@ -29,13 +29,6 @@ only, and each leaf's traced tier and batch axes are compared with the hand judg
 `trace_structure` normalises them the same way: key strings joined with '/', the trailing
 `value` dropped).
 
-jax >= 0.12 renamed the `scan` equation's parameters (`num_consts`, `num_carry` gave way
-to `ft_in`, the flattened (consts, carry, xs) groups), which makes `trace_structure`
-raise `KeyError: 'num_consts'` on any scan. A model where that happens is recorded as
-that error, then traced again with `_Analysis._scan` handed the two counts read from
-`ft_in` (nothing else changes), so that its tiers can still be scored; the result
-says which rows needed this.
-
 Writes `benchmarks/results/real_trees_traced/<library>[_<override>].json` and rebuilds
 `benchmarks/results/real_trees_traced.md` from every library's JSON present.
 """
@@ -75,7 +68,6 @@ COMMANDS = {
     'easydel': '$VENVS/easydel/bin/python tools/real_trees/trace_check.py --library easydel',
     'maxtext': '$VENVS/maxtext/bin/python tools/real_trees/trace_check.py --library maxtext',
 }
-SCAN_COMPAT = 'scan params read from ft_in (jax >= 0.12)'
 
 
 class Case(types.SimpleNamespace):
@@ -200,32 +192,6 @@ CASES = {'gemma': gemma_case, 'easydel': easydel_case, 'maxtext': maxtext_case}
 # --------------------------------------------------------------------------- scoring
 
 
-@contextlib.contextmanager
-def scan_params_from_ft_in():
-  """Hands `_Analysis._scan` the `num_consts`/`num_carry` that jax >= 0.12 dropped."""
-  from skewadam_jax import _structure
-
-  original = _structure._Analysis._scan
-
-  def _scan(self, eqn, ins):
-    p = eqn.params
-    if 'num_consts' not in p and 'ft_in' in p:
-      n = len(eqn.invars)
-      consts, carry, xs = (list(g) for g in p['ft_in'].update(list(range(n))).unpack())
-      if consts + carry + xs != list(range(n)):
-        raise AssertionError(f'ft_in {p["ft_in"]} is not (consts, carry, xs) in order')
-      eqn = types.SimpleNamespace(
-          params={**p, 'num_consts': len(consts), 'num_carry': len(carry)},
-          invars=eqn.invars, outvars=eqn.outvars, primitive=eqn.primitive)
-    return original(self, eqn, ins)
-
-  _structure._Analysis._scan = _scan
-  try:
-    yield
-  finally:
-    _structure._Analysis._scan = original
-
-
 def evidence_lines(structure: Any, paths: set[str]) -> list[str]:
   """`Structure.format()`'s header, the rows of `paths`, and its closing lines."""
   lines = structure.format().split('\n')
@@ -244,15 +210,7 @@ def score(library: str, name: str, overrides: tuple[str, ...] = ()) -> dict:
                          'leaves': len(expected)}
   t0 = time.time()
   with case.context:
-    try:
-      structure = sj.trace_structure(case.fn, case.params, *case.args)
-    except KeyError as e:
-      if e.args != ('num_consts',):
-        raise
-      row['error'] = f'KeyError: {e}'
-      with scan_params_from_ft_in():
-        structure = sj.trace_structure(case.fn, case.params, *case.args)
-      row['compat'] = SCAN_COMPAT
+    structure = sj.trace_structure(case.fn, case.params, *case.args)
   row['trace_s'] = round(time.time() - t0, 1)
   traced = structure.by_path
   if set(traced) != set(expected):
@@ -309,16 +267,16 @@ def table(rows: list[dict], total: bool = False) -> list[str]:
     if 'failed' in r:
       out.append(f'| {r["model"]} | {r["leaves"]} | - | - | - | - | failed: {r["failed"]} |')
       continue
-    note = f'raises `{r["error"]}`; scored with {r["compat"]}' if r.get('error') else ''
     out.append(f'| {r["model"]} | {r["leaves"]} | {r["right"]} | {r["wrong_tier"]} | '
-               f'{r["wrong_axes"]} | {r["undecided"]} | {note} |')
+               f'{r["wrong_axes"]} | {r["undecided"]} |  |')
   if total:
     done = [r for r in rows if 'failed' not in r]
     t = {k: sum(r[k] for r in done)
          for k in ('leaves', 'right', 'wrong_tier', 'wrong_axes', 'undecided')}
-    raised = sum(bool(r.get('error')) for r in done)
+    failed = len(rows) - len(done)
     out.append(f'| **all** | {t["leaves"]} | {t["right"]} | {t["wrong_tier"]} | '
-               f'{t["wrong_axes"]} | {t["undecided"]} | {raised} of {len(done)} models raise |')
+               f'{t["wrong_axes"]} | {t["undecided"]} | '
+               f'{f"{failed} of {len(rows)} models failed" if failed else ""} |')
   return out
 
 

@@ -293,14 +293,20 @@ def _default_labels_and_axes(params: Any) -> tuple[dict[str, tuple[str, tuple[in
 # The cases of tests/structure_models.py (imported when used: it needs Equinox and a recent
 # Flax, which the minimum-versions run, selecting only fast tests, does not install).
 TRACED_CASES = ('eqx', 'linen', 'nested', 'nnx', 'ragged')
+# One small model per pattern the tracer follows (Pallas-like grouped matmuls, ids from
+# jnp.repeat, scaled router inputs, stacked pairs, ...): the default must not be silent
+# on them either.
+PATTERN_CASES = ('consts', 'ids', 'kernel', 'pairs', 'scaled', 'split')
 
 
-@pytest.fixture(scope='module', params=TRACED_CASES)
+@pytest.fixture(scope='module', params=TRACED_CASES + PATTERN_CASES)
 def traced_case(request):
   pytest.importorskip('equinox')
   import structure_models  # noqa: PLC0415
   assert sorted(structure_models.CASES) == list(TRACED_CASES)
-  return structure_models.CASES[request.param]()
+  assert sorted(structure_models.PATTERNS) == list(PATTERN_CASES)
+  cases = {**structure_models.CASES, **structure_models.PATTERNS}
+  return cases[request.param]()
 
 
 @pytest.mark.slow  # builds a model (seconds of eager init)

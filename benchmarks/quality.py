@@ -11,9 +11,9 @@ with its `momentum=0.9` option, Muon (`optax.contrib.muon`), AdamPM (s = 8), Ske
 (published tiers), SkewAdam with Adam's additive eps on every tier
 (`skewadam-adam-eps`), `sj.ADAM_EPS_TIERS` (`skewadam-adam-eps-router-momentum`) and
 `sj.ADAM_ROUTER_TIERS` (`skewadam-router-adam-eps-momentum`), and the Muon tiers:
-`sj.MUON_TIERS` (`skewadam-muon`: Muon's orthogonalised momentum on the backbone's
-hidden matrices, the published tiers elsewhere, an Adam router) and its variant with
-each expert's gradient orthogonalised and no expert state
+`skewadam-muon` (Muon's orthogonalised momentum on the backbone's hidden matrices, the
+published tiers elsewhere, an Adam router) and `sj.MUON_TIERS`, the same with each
+expert's gradient orthogonalised and no expert state
 (`skewadam-muon-orthogonal-experts`); these run on the Adam grid `--lrs` (their update
 RMS is matched to Adam's).
 Each runs at every `--lrs` and every `--seeds`; Muon runs at every `--muon-lrs` instead
@@ -517,8 +517,8 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
   names = ', '.join(f'`{r["optimizer"]}`' for r in rows)
   lines += [f'SkewAdam policies: `skewadam` is `sj.PUBLISHED_TIERS`, '
             '`skewadam-adam-eps-router-momentum` is `sj.ADAM_EPS_TIERS`, '
-            '`skewadam-router-adam-eps-momentum` is `sj.ADAM_ROUTER_TIERS`, `skewadam-muon` '
-            'is `sj.MUON_TIERS`; every name '
+            '`skewadam-router-adam-eps-momentum` is `sj.ADAM_ROUTER_TIERS`, '
+            '`skewadam-muon-orthogonal-experts` is `sj.MUON_TIERS`; every name '
             f'({names}) is defined in examples/moe_lm/optimizers.py.', '']
   lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
   body = []

@@ -6,7 +6,8 @@ newcomer copies it into their model with AdamW's learning rate; this checks what
 gives on the example MoE LM (`small` preset, std-0.02 init) against the alternatives:
 
 * `skewadam`: the snippet's `sj.skewadam(schedule, weight_decay=0.1)` (published tiers);
-* `skewadam-muon`: `tiers=sj.MUON_TIERS`;
+* `skewadam-muon`: `tiers=dict(sj.MUON_TIERS, experts=sj.PUBLISHED_TIERS['experts'])`
+  (the Muon tiers with the published factored experts);
 * `skewadam-adam-eps-router-momentum`: `tiers=sj.ADAM_EPS_TIERS`;
 * `skewadam-router-adam-eps-momentum`: `tiers=sj.ADAM_ROUTER_TIERS`;
 * `adamw`: `optax.adamw(schedule, weight_decay=0.1)`, the line the snippet replaces.
@@ -50,7 +51,8 @@ CANDIDATES = ('skewadam', 'skewadam-muon', 'skewadam-adam-eps-router-momentum',
 # What each candidate is in the README's snippet.
 SNIPPET = {
     'skewadam': 'sj.skewadam(schedule, weight_decay=0.1)  (the README snippet as is)',
-    'skewadam-muon': 'sj.skewadam(schedule, weight_decay=0.1, tiers=sj.MUON_TIERS)',
+    'skewadam-muon': "sj.skewadam(schedule, weight_decay=0.1, tiers=dict(sj.MUON_TIERS, "
+                     "experts=sj.PUBLISHED_TIERS['experts']))",
     'skewadam-adam-eps-router-momentum':
         'sj.skewadam(schedule, weight_decay=0.1, tiers=sj.ADAM_EPS_TIERS)',
     'skewadam-router-adam-eps-momentum':

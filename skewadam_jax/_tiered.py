@@ -184,15 +184,20 @@ ADAM_ROUTER_TIERS: Mapping[str, Tier] = {
 # published backbone already keeps is exactly Muon's state, and orthogonalising it
 # replaces the factored second moment (no statistics). Nesterov and b1 = 0.95 as in
 # Muon; the update RMS is matched to Adam's (0.2), so one learning rate serves every
-# tier. Embeddings, heads and norms keep the published backbone tier, the experts the
-# published expert tier, the router the Adam router of ADAM_ROUTER_TIERS. The tier
-# names: `hidden_param_labels` labels the hidden matrices `hidden`, and `skewadam` uses
-# it when the tiers have a `hidden` tier.
+# tier. The experts keep no state at all: each expert's gradient is orthogonalised on
+# its own (per batch slice), which beat the published factored expert tier in the
+# quality sweep (benchmarks/quality.py, 2000 steps, each at its best lr); a per-expert
+# vector with no matrix to orthogonalise gets the factored tier's exact estimate.
+# Embeddings, heads and norms keep the published backbone tier, the router the Adam
+# router of ADAM_ROUTER_TIERS. The tier names: `hidden_param_labels` labels the hidden
+# matrices `hidden`, and `skewadam` uses it when the tiers have a `hidden` tier.
 MUON_TIERS: Mapping[str, Tier] = {
     'backbone': PUBLISHED_TIERS['backbone'],
     'hidden': Tier(momentum=True, nesterov=True, b1=0.95, second_moment='orthogonal',
                    clip_threshold=None),
-    'experts': PUBLISHED_TIERS['experts'],
+    'experts': Tier(momentum=False,
+                    second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
+                    clip_threshold=None),
     'router': ADAM_ROUTER_TIERS['router'],
 }
 

@@ -54,6 +54,17 @@ def test_skewadam_state_is_exactly_published():
   assert report.counter_bytes == 4 * sum(x.ndim == 0 for x in jax.tree.leaves(state)) > 0
 
 
+def test_muon_tiers_state_on_the_published_moe():
+  """`MUON_TIERS`: the hidden matrices' factored statistics and every expert statistic
+  dropped (orthogonalised, stateless), the router's momentum added."""
+  params = paper_params()
+  report = sj.memory_report(sj.skewadam(3e-4, tiers=sj.MUON_TIERS), params)
+  by_tier = {t.tier: t.state_bytes for t in report.tiers}
+  assert by_tier['experts'] == 0
+  assert by_tier['router'] == 2 * 4 * D * E
+  assert report.total_state_bytes == 1_370_002_944
+
+
 def test_adamw_state_is_eight_bytes_per_parameter():
   # The published AdamW keeps fp32 m and v: 8 B per parameter.
   params32 = jax.tree.map(lambda x: S(x.shape, F32), paper_params())

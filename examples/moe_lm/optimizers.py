@@ -23,12 +23,12 @@ warmup + cosine learning-rate schedule. Names:
   router alone takes Adam's additive eps.
 * `skewadam-router-adam-eps-momentum`: the same, and the router keeps an fp32 momentum
   (`sj.ADAM_ROUTER_TIERS`).
-* `skewadam-muon`: `sj.MUON_TIERS`: Muon's orthogonalised Nesterov momentum (b1 0.95,
-  update RMS matched to Adam's) on the backbone's hidden matrices, the published tiers
-  on embeddings, norms and experts, an Adam router; one learning rate for all.
-* `skewadam-muon-orthogonal-experts`: the same, and each expert's gradient is
-  orthogonalised too (no momentum, no expert state; a per-expert vector would get the
-  factored tier's exact second moment).
+* `skewadam-muon`: Muon's orthogonalised Nesterov momentum (b1 0.95, update RMS
+  matched to Adam's) on the backbone's hidden matrices, the published tiers on
+  embeddings, norms and experts, an Adam router; one learning rate for all.
+* `skewadam-muon-orthogonal-experts`: `sj.MUON_TIERS`: the same, and each expert's
+  gradient is orthogonalised too (no momentum, no expert state; a per-expert vector
+  would get the factored tier's exact second moment).
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
   pooled along the second-to-last axis: the input axis of `[in, out]` kernels and
   `[E, in, out]` expert banks; 1-D leaves along their only axis), `adafactor`
@@ -114,12 +114,10 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return dict(pub, router=pub['router'].replace(eps_mode='adam'))
   if name == 'skewadam-router-adam-eps-momentum':  # the shipped `sj.ADAM_ROUTER_TIERS`
     return dict(sj.ADAM_ROUTER_TIERS)
-  if name == 'skewadam-muon':  # the shipped `sj.MUON_TIERS`
+  if name == 'skewadam-muon':  # `sj.MUON_TIERS` with the published expert tier
+    return dict(sj.MUON_TIERS, experts=pub['experts'])
+  if name == 'skewadam-muon-orthogonal-experts':  # the shipped `sj.MUON_TIERS`
     return dict(sj.MUON_TIERS)
-  if name == 'skewadam-muon-orthogonal-experts':
-    return dict(sj.MUON_TIERS, experts=sj.Tier(
-        momentum=False, second_moment=sj.Orthogonal(fallback=sj.Factored()),
-        clip_threshold=None))
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':

@@ -80,7 +80,8 @@ def skewadam(
     b1: first-moment decay rate.
     b2: second-moment decay rate.
     eps: floor on the second moment (or Adam's eps for tiers with `eps_mode='adam'`).
-    weight_decay: decoupled weight decay rate (applied to tiers with `weight_decay`).
+    weight_decay: decoupled weight decay rate (applied to tiers with
+      `apply_weight_decay`).
     tiers: tier name -> `Tier`; default `PUBLISHED_TIERS` (backbone/experts/router).
       Ours: `ADAM_ROUTER_TIERS` (an Adam router, which keeps every expert in use),
       `ADAM_EPS_TIERS` (additive eps everywhere, for AdamW's learning rate) and
@@ -96,8 +97,8 @@ def skewadam(
       clip are per batch slice; see `scale_by_tiered_adam`.
     mask: which leaves weight decay applies to, as in `optax.adamw`: a pytree of bools
       matching the params (or a prefix of them), or a function of the params returning
-      one. A leaf decays only if `mask` selects it and its tier's `weight_decay` is set;
-      default: every leaf of a tier that decays.
+      one. A leaf decays only if `mask` selects it and its tier's
+      `apply_weight_decay` is set; default: every leaf of a tier that decays.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -147,7 +148,7 @@ def skewadam(
     return tiers_tx(updates).update(updates, state, params)
 
   def decay_mask(params: Any) -> Any:
-    flags = jax.tree.map(lambda label: tiers[label].weight_decay, labeler(params))
+    flags = jax.tree.map(lambda label: tiers[label].apply_weight_decay, labeler(params))
     if mask is None:
       return flags
     user = mask(params) if _tree.is_function(mask) else mask

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
@@ -40,7 +41,44 @@ from skewadam_jax import _tree
 SECOND_MOMENTS = ('exact', 'factored', 'grouped', 'orthogonal')
 EPS_MODES = ('floor', 'adam')
 
+_OLD_WEIGHT_DECAY = ('`Tier.weight_decay` is renamed `apply_weight_decay` (`skewadam`\'s '
+                     '`weight_decay` is the rate); the old name will be removed in a later '
+                     'release.')
 
+
+def _old_weight_decay(changes: dict[str, Any], stacklevel: int,
+                      positional: bool = False) -> dict[str, Any]:
+  """`changes` with the deprecated `weight_decay` keyword (if any) as `apply_weight_decay`
+  (`positional`: `apply_weight_decay` is also given positionally)."""
+  if 'weight_decay' not in changes:
+    return changes
+  changes = dict(changes)
+  value = changes.pop('weight_decay')
+  if positional or 'apply_weight_decay' in changes:
+    raise TypeError('Pass `apply_weight_decay` only: `weight_decay` is its deprecated name, '
+                    'and both were given.')
+  warnings.warn(_OLD_WEIGHT_DECAY, DeprecationWarning, stacklevel=stacklevel + 1)
+  if not isinstance(value, bool):
+    raise TypeError(f'`weight_decay` (now `apply_weight_decay`) must be a bool, got {value!r}.')
+  changes['apply_weight_decay'] = value
+  return changes
+
+
+def _accepts_old_weight_decay(cls: type) -> type:
+  """Lets the dataclass `__init__` take the deprecated `weight_decay` keyword."""
+  init = cls.__init__
+  position = [f.name for f in dataclasses.fields(cls) if f.init].index('apply_weight_decay')
+
+  @functools.wraps(init)
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    init(self, *args, **_old_weight_decay(kwargs, stacklevel=2,
+                                          positional=len(args) > position))
+
+  cls.__init__ = __init__
+  return cls
+
+
+@_accepts_old_weight_decay
 @dataclasses.dataclass(frozen=True)
 class Tier:
   """Static configuration of one tier of `scale_by_tiered_adam`.
@@ -60,7 +98,9 @@ class Tier:
       expert for stacked experts), or None for no clipping.
     eps_mode: `'floor'` (as published: `eps` floors the uncorrected second moment
       inside the square root) or `'adam'` (`u = m_hat / (sqrt(v_hat) + eps)`).
-    weight_decay: whether decoupled weight decay applies to this tier.
+    apply_weight_decay: whether decoupled weight decay (`skewadam`'s `weight_decay`
+      rate) applies to this tier. Formerly `weight_decay`, which still works (as a
+      keyword, in `replace` and as an attribute) with a `DeprecationWarning`.
     nesterov: with momentum, the numerator is optax's Nesterov form (as in
       `optax.adam(nesterov=True)` and `optax.contrib.muon`) instead of `m / bc1`:
       `x = b1 m / (1 - b1^(t+1)) + (1 - b1) g / bc1`.
@@ -91,7 +131,7 @@ class Tier:
   group_axis: int = -1
   clip_threshold: Optional[float] = 1.0
   eps_mode: str = 'floor'
-  weight_decay: bool = True
+  apply_weight_decay: bool = True
   nesterov: bool = False
   b1: Optional[float] = None
 
@@ -118,8 +158,8 @@ class Tier:
         raise ValueError('`clip_threshold` must be a positive float or None, got '
                          f'{self.clip_threshold!r}.')
     _checks.check_choice('eps_mode', self.eps_mode, EPS_MODES)
-    if not isinstance(self.weight_decay, bool):
-      raise TypeError(f'`weight_decay` must be a bool, got {self.weight_decay!r}.')
+    if not isinstance(self.apply_weight_decay, bool):
+      raise TypeError(f'`apply_weight_decay` must be a bool, got {self.apply_weight_decay!r}.')
     if not isinstance(self.nesterov, bool):
       raise TypeError(f'`nesterov` must be a bool, got {self.nesterov!r}.')
     if self.nesterov and not self.momentum:
@@ -132,6 +172,7 @@ class Tier:
 
   def replace(self, **changes: Any) -> Tier:
     """A copy of this tier with some options changed."""
+    changes = _old_weight_decay(changes, stacklevel=2)
     fields = {f.name for f in dataclasses.fields(self)}
     unknown = sorted(set(changes) - fields)
     if unknown:
@@ -139,6 +180,12 @@ class Tier:
       raise TypeError(f'Unknown Tier option(s) {unknown}{hint}; the options are '
                       f'{sorted(fields)}.')
     return dataclasses.replace(self, **changes) if changes else self
+
+  @property
+  def weight_decay(self) -> bool:
+    """Deprecated name of `apply_weight_decay`."""
+    warnings.warn(_OLD_WEIGHT_DECAY, DeprecationWarning, stacklevel=2)
+    return self.apply_weight_decay
 
   @property
   def estimator(self) -> _second_moment.SecondMoment:
@@ -154,7 +201,7 @@ class Tier:
 PUBLISHED_TIERS: Mapping[str, Tier] = {
     'backbone': Tier(momentum=True, second_moment='factored'),
     'experts': Tier(momentum=False, second_moment='factored'),
-    'router': Tier(momentum=False, second_moment='exact', weight_decay=False),
+    'router': Tier(momentum=False, second_moment='exact', apply_weight_decay=False),
 }
 
 # Beyond the paper: with tiny expert and router gradients (RMS ~1e-5 at init) the
@@ -166,7 +213,7 @@ ADAM_EPS_TIERS: Mapping[str, Tier] = {
     'backbone': Tier(momentum=True, second_moment='factored', eps_mode='adam'),
     'experts': Tier(momentum=False, second_moment='factored', eps_mode='adam'),
     'router': Tier(momentum=True, second_moment='exact', eps_mode='adam',
-                   weight_decay=False),
+                   apply_weight_decay=False),
 }
 
 # The published floor slows the router most: its gradients are the smallest, and while

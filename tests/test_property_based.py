@@ -118,7 +118,7 @@ def tier_cases(draw):
       group_axis=draw(axis_for(case.shape)),
       clip_threshold=draw(st.one_of(st.none(), st.sampled_from([0.05, 0.5, 1.0, 4.0]))),
       eps_mode=draw(st.sampled_from(_tiered.EPS_MODES)),
-      weight_decay=True)
+      apply_weight_decay=True)
   return case, tier
 
 
@@ -251,7 +251,7 @@ def test_skewadam_with_any_labelling_matches_reference(labels, log_scale, wd, se
   for g in grads:
     p, state = step(p, state, g)
     for k in want:
-      decay = wd if tiers[labels[k]].weight_decay else 0.0
+      decay = wd if tiers[labels[k]].apply_weight_decay else 0.0
       want[k] = want[k] - lr * (refs[k].update(g[k]) + decay * want[k])
   for k in want:
     np.testing.assert_allclose(p[k], want[k], rtol=1e-5, atol=2e-6, err_msg=k)

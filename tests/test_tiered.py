@@ -1,5 +1,7 @@
 """SkewAdam's tier rule against the NumPy reference and exact identities."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,3 +273,62 @@ def test_one_transform_of_tiers_updates_as_a_partition_of_tiers():
       for a, b in zip(kept, mine):
         np.testing.assert_array_equal(a, b)
   assert int(s_ours.count) == 3
+
+
+# ---------------------------------------------------------------------------------------
+# `Tier.apply_weight_decay`, formerly `weight_decay` (the name of `skewadam`'s rate).
+
+
+def test_tier_field_is_apply_weight_decay():
+  names = [f.name for f in dataclasses.fields(sj.Tier)]
+  assert 'apply_weight_decay' in names and 'weight_decay' not in names
+  assert names.index('apply_weight_decay') == names.index('eps_mode') + 1  # same position
+  off = sj.Tier(apply_weight_decay=False)
+  assert off.apply_weight_decay is False and sj.Tier().apply_weight_decay is True
+  assert off == sj.Tier().replace(apply_weight_decay=False) != sj.Tier()
+  assert hash(off) == hash(sj.Tier().replace(apply_weight_decay=False))
+  assert 'apply_weight_decay=False' in repr(off) and ' weight_decay' not in repr(off)
+  assert sj.PUBLISHED_TIERS['router'].apply_weight_decay is False
+  assert sj.ADAM_EPS_TIERS['router'].apply_weight_decay is False
+  assert sj.PUBLISHED_TIERS['backbone'].apply_weight_decay is True
+
+
+def test_the_old_weight_decay_spelling_warns_and_means_apply_weight_decay():
+  new = sj.Tier(momentum=False, apply_weight_decay=False)
+  old_spellings = [
+      lambda: sj.Tier(momentum=False, weight_decay=False),
+      lambda: sj.Tier(momentum=False).replace(weight_decay=False),
+      lambda: sj.Tier(momentum=False, apply_weight_decay=True).replace(weight_decay=False),
+  ]
+  for make in old_spellings:
+    with pytest.warns(DeprecationWarning, match='apply_weight_decay') as record:
+      tier = make()
+    assert tier == new and hash(tier) == hash(new) and repr(tier) == repr(new)
+    assert {r.filename for r in record} == {__file__}  # the warning points at the caller
+  with pytest.warns(DeprecationWarning, match='apply_weight_decay') as record:
+    assert new.weight_decay is False
+  assert {r.filename for r in record} == {__file__}
+  with pytest.warns(DeprecationWarning, match='apply_weight_decay'):
+    assert sj.Tier().weight_decay is True
+  with pytest.warns(DeprecationWarning, match='apply_weight_decay'):
+    sj.scale_by_tiered_adam(weight_decay=False, momentum=False)
+
+
+def test_old_and_new_weight_decay_spellings_together_are_a_type_error():
+  both = 'Pass `apply_weight_decay` only: `weight_decay` is its deprecated name'
+  with pytest.raises(TypeError, match=both):
+    sj.Tier(weight_decay=False, apply_weight_decay=False)
+  with pytest.raises(TypeError, match=both):
+    sj.Tier().replace(weight_decay=True, apply_weight_decay=True)
+  with pytest.raises(TypeError, match=both):  # the new field positionally, the old keyword
+    sj.Tier(True, jnp.float32, 'factored', 8, -1, 1.0, 'floor', False, weight_decay=False)
+
+
+def test_a_weight_decay_flag_that_is_not_a_bool_is_a_type_error_naming_it():
+  with pytest.raises(TypeError, match='`apply_weight_decay` must be a bool, got 1'):
+    sj.Tier(apply_weight_decay=1)
+  with pytest.raises(TypeError, match='`apply_weight_decay` must be a bool, got 0'):
+    sj.Tier().replace(apply_weight_decay=0)
+  with pytest.warns(DeprecationWarning), pytest.raises(
+      TypeError, match=r'`weight_decay` \(now `apply_weight_decay`\) must be a bool, got 1'):
+    sj.Tier(weight_decay=1)

@@ -153,7 +153,7 @@ def test_ablations_change_exactly_their_tiers():
   assert mom['router'] == pub['router']
   fac = opt_lib.skewadam_tiers('skewadam-factored-all')
   assert all(t.momentum and t.second_moment == 'factored' for t in fac.values())
-  assert not fac['router'].weight_decay
+  assert not fac['router'].apply_weight_decay
   eps = opt_lib.skewadam_tiers('skewadam-adam-eps')
   assert {k: t.replace(eps_mode='floor') for k, t in eps.items()} == pub
   assert all(t.eps_mode == 'adam' for t in eps.values())

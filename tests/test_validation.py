@@ -179,7 +179,7 @@ def test_unknown_eps_mode_lists_the_allowed_modes():
     sj.Tier(eps_mode='additive')
 
 
-@pytest.mark.parametrize('field', ['momentum', 'weight_decay'])
+@pytest.mark.parametrize('field', ['momentum', 'apply_weight_decay'])
 def test_bool_tier_options_must_be_bools(field):
   with pytest.raises(TypeError, match=rf'`{field}` must be a bool'):
     sj.Tier(**{field: 1})

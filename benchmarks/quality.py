@@ -710,7 +710,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(9, 6))
+  fig, ax = plt.subplots(figsize=(12, 6))
   front = pareto_front(rows)
   if front:
     # The best loss reachable with at most x bytes: a staircase through the front.
@@ -733,12 +733,14 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     if id(row) in on_front or not crowded:
       ax.annotate(row['optimizer'], (row['state_bytes'], row['loss_mean']),
                   textcoords='offset points', xytext=(8, 4), fontsize=8)
+  # The legend beside the axes: inside, it would cover points wherever the front lies.
   _finish_log_x(fig, ax, 'optimizer state bytes (float32 state)',
-                'final validation loss at the best lr (nats / byte)', title, path)
+                'final validation loss at the best lr (nats / byte)', title, path,
+                legend_outside=True)
 
 
 def _finish_log_x(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str,
-                  path: Path) -> None:
+                  path: Path, legend_outside: bool = False) -> None:
   """Log x axis, labels, grid, legend and title; saves and closes the figure."""
   import matplotlib.pyplot as plt
 
@@ -746,7 +748,10 @@ def _finish_log_x(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str,
   ax.set_xlabel(f'{xlabel} (log scale)')
   ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3, which='both')
-  ax.legend(fontsize=7)
+  if legend_outside:
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+  else:
+    ax.legend(fontsize=7)
   ax.set_title(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -29,6 +29,9 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-orthogonal-experts`: `sj.MUON_TIERS`: the same, and each expert's
   gradient is orthogonalised too (no momentum, no expert state; a per-expert vector
   would get the factored tier's exact second moment).
+* `skewadam-muon-expert-momentum`: a diagnostic of the gap to Muon: `sj.MUON_TIERS` with
+  the experts as Muon treats them (fp32 Nesterov momentum, b1 0.95, orthogonalised per
+  expert), for an fp32 momentum of every expert matrix (above 1/10 of AdamW's state).
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
   pooled along the second-to-last axis: the input axis of `[in, out]` kernels and
   `[E, in, out]` expert banks; 1-D leaves along their only axis), `adafactor`
@@ -72,6 +75,7 @@ OPTIMIZERS = (
     'skewadam-adam-eps-router-momentum-exact-backbone',
     'skewadam-floor-backbone-router-momentum', 'skewadam-router-adam-eps',
     'skewadam-router-adam-eps-momentum', 'skewadam-muon', 'skewadam-muon-orthogonal-experts',
+    'skewadam-muon-expert-momentum',
 )
 DEFAULT_LR = {
     'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adampm-input-axis': ADAM_LR, 'adamw': ADAM_LR,
@@ -84,6 +88,7 @@ DEFAULT_LR = {
     'skewadam-floor-backbone-router-momentum': ADAM_LR,
     'skewadam-router-adam-eps': ADAM_LR, 'skewadam-router-adam-eps-momentum': ADAM_LR,
     'skewadam-muon': ADAM_LR, 'skewadam-muon-orthogonal-experts': ADAM_LR,
+    'skewadam-muon-expert-momentum': ADAM_LR,
 }
 # The best peak lr of the main job's two optimizers in `benchmarks/quality.py`'s
 # 2000-step sweep (the same lr grid, refinement and seeds for every optimizer; its
@@ -118,6 +123,9 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return dict(sj.MUON_TIERS, experts=pub['experts'])
   if name == 'skewadam-muon-orthogonal-experts':  # the shipped `sj.MUON_TIERS`
     return dict(sj.MUON_TIERS)
+  if name == 'skewadam-muon-expert-momentum':  # the experts as Muon treats them
+    return dict(sj.MUON_TIERS, experts=sj.MUON_TIERS['hidden'].replace(
+        second_moment=sj.Orthogonal(fallback=sj.Factored())))
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':

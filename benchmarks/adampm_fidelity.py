@@ -12,7 +12,7 @@ pooled along `--axes`: -1 (the last axis, the output axis of an `[in, out]` kern
 `skewadam_jax.adampm`'s default) and/or -2 (the input axis; `[E, in, out]` expert banks
 pool along `in` too). 1-D leaves always pool along their only axis, 0-d leaves are not
 pooled. Every axis is computed in the same run from the same Adam moments. The script
-checks the identity against `skewadam_jax.scale_by_grouped_second_moment(group_axis=...)` run on
+checks the identity against `skewadam_jax.scale_by_grouped_second_moment(axis=...)` run on
 the same gradients (s = 8, one per axis) and reports the per-step cosine similarity of
 u_PM(s) and u_Adam, over the whole model and per leaf: median and 10th percentile over
 steps, a markdown table, JSON and a plot.
@@ -187,7 +187,7 @@ def run(cfg: model_lib.MoEConfig, args: argparse.Namespace, axes: Sequence[int],
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=0.1))
   shadows = {a: sj.scale_by_grouped_second_moment(B1, B2, EPS, group_size=IDENTITY_S,
-                                                  group_axis=a)
+                                                  axis=a)
              for a in axes}
   opt_state = tx.init(params)
   shadow_states = {a: sh.init(params) for a, sh in shadows.items()}

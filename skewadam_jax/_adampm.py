@@ -38,14 +38,14 @@ def scale_by_grouped_second_moment(
     eps_root: Any = 0.0,
     mu_dtype: Optional[Any] = None,
     group_size: int = 8,
+    axis: int = -1,
     group_axis: Optional[int] = None,
     nu_dtype: Optional[Any] = None,
-    axis: Any = _grouped.UNSET,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by Adam with a second moment pooled over groups (AdamPM).
 
   With `groupmean_s` the mean over runs of `s` neighbouring elements along
-  `group_axis` and `expand_s` its inverse (repeat each group value `s` times, crop)::
+  `axis` and `expand_s` its inverse (repeat each group value `s` times, crop)::
 
     m  <- b1 * m + (1 - b1) * g
     nu <- b2 * nu + (1 - b2) * groupmean_s(g^2)
@@ -63,10 +63,10 @@ def scale_by_grouped_second_moment(
       as in `optax.scale_by_adam`.
     mu_dtype: dtype the first moment is stored in; default the parameters' dtype.
     group_size: elements per group (static positive int).
-    group_axis: axis along which neighbours are pooled (static; negative allowed);
-      None (the default) is the last axis, i.e. along rows.
+    axis: axis along which neighbours are pooled (static; negative allowed); the
+      default pools along rows (the last axis).
+    group_axis: the same option as `Tier` spells it; None: `axis` decides.
     nu_dtype: dtype the pooled second moment is stored in; default the parameters'.
-    axis: deprecated spelling of `group_axis`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` (extra `update` keywords are ignored).
@@ -83,8 +83,8 @@ def scale_by_grouped_second_moment(
     AdamPM: Adam with a pooled second moment (Beihang University preprint).
     Kingma & Ba, Adam: A Method for Stochastic Optimization, 2015.
   """
-  group_axis, axis_arg = _grouped.group_axis_arg(group_axis, axis,
-                                                 'scale_by_grouped_second_moment')
+  group_axis, axis_arg = _grouped.pooled_axis(axis, group_axis,
+                                              'scale_by_grouped_second_moment')
   return grouped_adam(b1, b2, eps, eps_root, mu_dtype, group_size, group_axis, nu_dtype,
                       axis_arg)
 

@@ -194,9 +194,9 @@ def adampm(
     weight_decay: Any = 0.0,
     mask: Union[Any, Callable[[Any], Any], None] = None,
     group_size: int = 8,
+    axis: int = -1,
     group_axis: Optional[int] = None,
     nu_dtype: Optional[Any] = None,
-    axis: Any = _grouped.UNSET,
 ) -> optax.GradientTransformation:
   r"""AdamPM: AdamW whose second moment is pooled over groups of `group_size`.
 
@@ -221,11 +221,11 @@ def adampm(
     mask: which leaves weight decay applies to (a pytree of bools or a function of
       the params), as in `optax.adamw`.
     group_size: elements per pooled group (static int).
-    group_axis: axis to pool along (static; negative allowed); None (the default) is
-      the last axis, i.e. along rows. Under `optax.inject_hyperparams`, name it in
+    axis: axis to pool along (static; negative allowed); the default is the last
+      axis, i.e. along rows. Under `optax.inject_hyperparams`, name it in
       `static_args` when you pass it.
+    group_axis: the same option as `Tier` spells it; None: `axis` decides.
     nu_dtype: storage dtype of the pooled second moment (default the params').
-    axis: deprecated spelling of `group_axis`.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -241,7 +241,7 @@ def adampm(
   """
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
-  group_axis, axis_arg = _grouped.group_axis_arg(group_axis, axis, 'adampm', stacklevel=4)
+  group_axis, axis_arg = _grouped.pooled_axis(axis, group_axis, 'adampm')
   return optax.chain(
       _adampm.grouped_adam(b1, b2, eps, eps_root, mu_dtype, group_size, group_axis,
                            nu_dtype, axis_arg),

@@ -75,7 +75,7 @@ def _static_hint(name: str) -> str:
   """How to keep a static argument static under `optax.inject_hyperparams`."""
   return (f' `optax.inject_hyperparams` turns int arguments into arrays: pass '
           f"`static_args=('{name}', ...)` to keep `{name}` a Python value, e.g. "
-          "`optax.inject_hyperparams(sj.adampm, static_args=('group_size', 'group_axis'))`.")
+          "`optax.inject_hyperparams(sj.adampm, static_args=('group_size', 'axis'))`.")
 
 
 def check_positive_int(name: str, value: Any) -> int:

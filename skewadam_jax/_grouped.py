@@ -50,18 +50,19 @@ from skewadam_jax._second_moment import Step
 UNSET: Any = object()
 
 
-def group_axis_arg(group_axis: Any, axis: Any, where: str, stacklevel: int = 3
-                   ) -> tuple[Any, str]:
-  """The pooled axis from `group_axis=` or the deprecated `axis=` (warned about), and
-  the name of the argument it came from (for error messages)."""
-  if axis is UNSET:
-    # None: the last axis. A default that is not a number keeps the argument out of
-    # `optax.inject_hyperparams`' traced hyperparameters unless a user passes it.
-    return -1 if group_axis is None else group_axis, 'group_axis'
-  warnings.warn(f'`{where}(axis=...)` is deprecated: use `group_axis=`, as `Tier`, '
-                '`Grouped`, `adampm` and `scale_by_grouped_second_moment` do.',
-                DeprecationWarning, stacklevel=stacklevel)
-  return axis, 'axis'
+def pooled_axis(axis: Any, group_axis: Any, where: str) -> tuple[Any, str]:
+  """AdamPM's pooled axis from `axis=` (its documented keyword, default the last axis)
+  or `group_axis=` (the same, as `Tier` and `Grouped` spell it), and the name of the
+  argument it came from (for error messages). Both, differing, are an error."""
+  if group_axis is None:
+    return axis, 'axis'
+  # Compared only as Python ints: under `optax.inject_hyperparams` either may be a
+  # tracer, which `_checks.check_axis` then reports by its name.
+  if (isinstance(axis, int) and isinstance(group_axis, int) and axis != -1
+      and axis != group_axis):
+    raise TypeError(f'`{where}` got `axis={axis!r}` and `group_axis={group_axis!r}`: they '
+                    'name the same option (the axis pooled along); pass one of them.')
+  return group_axis, 'group_axis'
 
 
 def num_groups(n: int, group_size: int) -> int:
@@ -340,9 +341,10 @@ class Grouped(_second_moment.SecondMoment):
 
   def __post_init__(self, axis: Any):
     if axis is not UNSET:
-      group_axis, axis_arg = group_axis_arg(self.group_axis, axis, 'Grouped', stacklevel=4)
-      object.__setattr__(self, 'group_axis', group_axis)
-      object.__setattr__(self, 'axis_arg', axis_arg)
+      warnings.warn('`Grouped(axis=...)` is deprecated: use `group_axis=`, as `Tier` does.',
+                    DeprecationWarning, stacklevel=3)
+      object.__setattr__(self, 'group_axis', axis)
+      object.__setattr__(self, 'axis_arg', 'axis')
     _checks.check_positive_int('group_size', self.group_size)
     _checks.check_axis(self.group_axis, self.axis_arg)
 

@@ -1,5 +1,7 @@
 """AdamPM (grouped second moment) against the NumPy reference and Adam identities."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,22 +148,31 @@ def test_groupmean_and_expand_groups_take_negative_axes(axis):
     sj.groupmean(x, 4, 3)
 
 
-def test_group_axis_is_the_one_name_and_axis_is_deprecated():
+def test_axis_and_group_axis_name_one_option():
+  """`axis=` is AdamPM's documented keyword; `group_axis=` (Tier's spelling) is the same
+  option; both, differing, are an error; `Grouped(axis=)` is deprecated for `group_axis`."""
   params = {'w': jnp.zeros((8, 12))}
   new = sj.adampm(1e-3, group_axis=0).init(params)
   assert new[0].nu['w'].shape == (1, 12)
   assert sj.Grouped(4, group_axis=0) == sj.Grouped(4, 0)
   assert sj.Tier(second_moment='grouped', group_axis=0).estimator == sj.Grouped(8, 0)
-  with pytest.warns(DeprecationWarning, match='group_axis'):
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # the documented keyword warns about nothing
     old = sj.adampm(1e-3, axis=0).init(params)
-  jax.tree.map(np.testing.assert_array_equal, old, new)
-  with pytest.warns(DeprecationWarning, match='group_axis'):
     tx = sj.scale_by_grouped_second_moment(axis=0)
+  jax.tree.map(np.testing.assert_array_equal, old, new)
   assert tx.init(params).nu['w'].shape == (1, 12)
+  assert sj.adampm(1e-3, axis=0, group_axis=0).init(params)[0].nu['w'].shape == (1, 12)
+  with pytest.raises(TypeError, match='same option'):
+    sj.adampm(1e-3, axis=0, group_axis=1)
+  with pytest.raises(TypeError, match='same option'):
+    sj.scale_by_grouped_second_moment(axis=1, group_axis=0)
   with pytest.warns(DeprecationWarning, match='group_axis'):
     assert sj.Grouped(4, axis=0) == sj.Grouped(4, 0)
-  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match='`axis`=2'):
+  with pytest.raises(ValueError, match='`axis`=2'):
     sj.adampm(1e-3, axis=2).init(params)  # errors name the argument as given
+  with pytest.raises(ValueError, match='`group_axis`=2'):
+    sj.adampm(1e-3, group_axis=2).init(params)
 
 
 def test_eps_root_enters_inside_the_square_root_as_in_optax():

@@ -248,10 +248,9 @@ def test_inject_hyperparams_matches_plain_factory(name):
 
 @pytest.mark.parametrize('static, axis', [
     ((), 'group_axis'), (('group_size',), 'group_axis'), (('group_axis',), 'group_axis'),
-    (('group_size',), 'axis')])  # `axis`: the deprecated spelling, named as given
+    (('group_size',), 'axis')])  # either spelling of the pooled axis, named as given
 def test_inject_hyperparams_traced_static_arg_error_names_static_args(static, axis):
-  """A pooled axis passed as an int is traced unless static, like `group_size`; the
-  default (None: the last axis) is not a number, so it needs no `static_args`."""
+  """A pooled axis passed as an int is traced unless static, like `group_size`."""
   missing = axis if 'group_size' in static else 'group_size'  # checked in this order
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', DeprecationWarning)

@@ -219,7 +219,7 @@ def make_optimizer(name: str, learning_rate: Optional[float] = None, *,
     info['weight_decay'] = weight_decay
   elif name in ('adampm', 'adampm-input-axis'):
     axis = -2 if name == 'adampm-input-axis' else -1
-    tx = sj.adampm(schedule, weight_decay=weight_decay, group_size=group_size, group_axis=axis)
+    tx = sj.adampm(schedule, weight_decay=weight_decay, group_size=group_size, axis=axis)
     info.update(weight_decay=weight_decay, group_size=group_size, axis=axis)
   elif name in ('adafactor', 'adafactor-momentum'):
     momentum = 0.9 if name == 'adafactor-momentum' else None

@@ -53,6 +53,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     'adafactor': lambda: optax.adafactor(LR),
     'skewadam': lambda: sj.skewadam(LR, weight_decay=WD),
     'adampm': lambda: sj.adampm(LR, weight_decay=WD, group_size=8),
+    'skewadam-muon': lambda: sj.skewadam(LR, weight_decay=WD, tiers=sj.MUON_TIERS),
 }
 # With --state-dtype float32, the optimizers whose state is initialised on a float32
 # view of the parameters; their state then stays float32 through updates with bf16
@@ -66,6 +67,7 @@ LABELS = {
     'adafactor': 'optax.adafactor',
     'skewadam': 'SkewAdam (published tiers)',
     'adampm': 'AdamPM (s = 8)',
+    'skewadam-muon': 'SkewAdam (MUON_TIERS)',
 }
 
 

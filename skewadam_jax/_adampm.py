@@ -31,16 +31,16 @@ class GroupedSecondMomentState(NamedTuple):
 
 
 def scale_by_grouped_second_moment(
-    b1: Any = 0.9,
-    b2: Any = 0.999,
-    eps: Any = 1e-8,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
     *,
-    eps_root: Any = 0.0,
-    mu_dtype: Optional[Any] = None,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     group_size: int = 8,
     axis: int = -1,
     group_axis: Optional[int] = None,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by Adam with a second moment pooled over groups (AdamPM).
 

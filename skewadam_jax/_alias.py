@@ -51,10 +51,10 @@ def tier_labeler(tiers: Mapping[str, _tiered.Tier], param_labels: Any = None
 
 def skewadam(
     learning_rate: optax.ScalarOrSchedule,
-    b1: Any = 0.9,
-    b2: Any = 0.999,
-    eps: Any = 1e-8,
-    weight_decay: Any = 0.0,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
     *,
     tiers: Optional[Mapping[str, _tiered.Tier]] = None,
     param_labels: Union[Any, Callable[[Any], Any], None] = None,
@@ -185,18 +185,18 @@ def _keywords_after(n: int, example: str) -> Callable[[Callable[..., Any]], Call
 @_keywords_after(4, 'sj.adampm(1e-3, weight_decay=0.1)')
 def adampm(
     learning_rate: optax.ScalarOrSchedule,
-    b1: Any = 0.9,
-    b2: Any = 0.999,
-    eps: Any = 1e-8,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
     *,
-    eps_root: Any = 0.0,
-    mu_dtype: Optional[Any] = None,
-    weight_decay: Any = 0.0,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
     mask: Union[Any, Callable[[Any], Any], None] = None,
     group_size: int = 8,
     axis: int = -1,
     group_axis: Optional[int] = None,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
 ) -> optax.GradientTransformation:
   r"""AdamPM: AdamW whose second moment is pooled over groups of `group_size`.
 

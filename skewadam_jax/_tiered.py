@@ -469,9 +469,9 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
 def scale_by_tiers(
     tiers: Optional[Mapping[str, Tier]],
     param_labels: Any,
-    b1: Any = 0.9,
-    b2: Any = 0.999,
-    eps: Any = 1e-8,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
     *,
     batch_axes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -521,9 +521,9 @@ def scale_by_tiers(
 
 
 def scale_by_tiered_adam(
-    b1: Any = 0.9,
-    b2: Any = 0.999,
-    eps: Any = 1e-8,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
     *,
     tier: Optional[Tier] = None,
     batch_axes: Any = None,

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib
 import types
+import typing
+
+import jax
+import optax
 
 import skewadam_jax as sj
 
@@ -35,3 +39,27 @@ def test_names_the_docs_tell_users_to_use():
   assert isinstance(sj.make_labeler(), sj.Labeler)
   assert sj.DENSE_RULES and all(len(rule) == 2 for rule in sj.DENSE_RULES)
   assert importlib.import_module('skewadam_jax').__version__
+
+
+def test_factories_type_their_hyperparameters_as_optax_does():
+  # The optimizers' arguments are typed as optax.adamw's and scale_by_adam's (a rate
+  # may be a schedule, a decay an array under inject_hyperparams), and the hints
+  # resolve, so a type checker or IDE shows what each argument takes.
+  expected = {
+      'learning_rate': optax.ScalarOrSchedule,
+      'weight_decay': optax.ScalarOrSchedule,
+      'b1': jax.typing.ArrayLike,
+      'b2': jax.typing.ArrayLike,
+      'eps': jax.typing.ArrayLike,
+      'eps_root': jax.typing.ArrayLike,
+      'mu_dtype': typing.Optional[jax.typing.DTypeLike],
+      'nu_dtype': typing.Optional[jax.typing.DTypeLike],
+  }
+  factories = (sj.skewadam, sj.adampm, sj.scale_by_tiers, sj.scale_by_tiered_adam,
+               sj.scale_by_grouped_second_moment)
+  for factory in factories:
+    hints = typing.get_type_hints(getattr(factory, '__wrapped__', factory))
+    for name, hint in expected.items():
+      if name in hints:
+        assert hints[name] == hint, (factory.__name__, name, hints[name])
+    assert {'b1', 'b2', 'eps'} <= set(hints), factory.__name__

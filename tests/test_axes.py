@@ -83,9 +83,9 @@ def test_axis_names_give_the_same_batch_axes(record):
 
 def test_label_table_shows_the_batch_axes(record):
   tree = _nest(record['leaves'], _abstract)
-  rows = _quietly(sj.label_table, tree)
+  rows = _quietly(sj.label_table, sj.skewadam(1e-3), tree)
   assert {r.path: r.batch_axes for r in rows} == _expected(record)
-  text = sj.format_label_table(rows)
+  text = rows.format()
   assert 'batch axes' in text.splitlines()[0]
 
 

@@ -89,10 +89,10 @@ def test_a_callable_module_is_params_not_a_labeler(make):
 def test_the_minimal_module_reports_and_labels():
   params = Minimal(jnp.ones((4, 8, 16)))
   with pytest.warns(_labels.UnsureLabelWarning, match='w \\[4, 8, 16\\]'):
-    rows = sj.label_table(params)
+    rows = sj.label_table(sj.skewadam(1e-3), params)
   assert [(r.path, r.tier, r.batch_axes) for r in rows] == [('w', 'backbone', (0,))]
   with pytest.warns(_labels.UnsureLabelWarning):
-    report = sj.memory_report(params, sj.skewadam(1e-3))
+    report = sj.memory_report(sj.skewadam(1e-3), params)
   assert report.total_state_bytes > 0
   labels = sj.make_labeler([('w', 'backbone')])(params)
   assert isinstance(labels, Minimal) and labels.w == 'backbone'
@@ -108,12 +108,12 @@ def test_equinox_moe_labels_axes_and_reports():
   assert _quiet(sj.moe_param_labels, model).w_in == 'experts'
   axes = _quiet(sj.moe_batch_axes, params)
   assert (axes.w_in, axes.w_out, axes.router) == ((0,), (0,), ())
-  rows = {r.path: r for r in _quiet(sj.label_table, params)}
+  tx = sj.skewadam(1e-3)
+  rows = {r.path: r for r in _quiet(sj.label_table, tx, params)}
   assert set(rows) == {'router', 'w_in', 'w_out', 'norm'}
   assert rows['w_in'].second_moment.startswith('factored')
-  tx = sj.skewadam(1e-3)
-  report = _quiet(sj.memory_report, params, tx)
-  adamw = sj.memory_report(params, optax.adamw(1e-3))
+  report = _quiet(sj.memory_report, tx, params)
+  adamw = sj.memory_report(optax.adamw(1e-3), params)
   assert 0 < report.total_state_bytes < adamw.total_state_bytes
   specs = P(None), P(None, None), P(None, None, None), P(None, None, None)
   shardings = _quiet(sj.state_shardings, tx, params, MoE(
@@ -161,7 +161,7 @@ def test_label_and_axes_trees_that_are_modules_are_trees():
   state = tx.init(params)
   updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
   assert updates.w_in.shape == (E, D, F)
-  got = sj.label_table(params, param_labels=labels, batch_axes=axes)
+  got = sj.label_table(tx, params)
   assert [(r.path, r.tier, r.batch_axes) for r in got] == [
       ('router', 'router', ()), ('w_in', 'experts', (0,)), ('w_out', 'experts', (0,)),
       ('norm', 'backbone', ())]
@@ -174,7 +174,7 @@ def test_functions_are_still_called():
   assert _tree.is_function(jax.tree_util.Partial(fn))
   assert not _tree.is_function(Minimal(jnp.zeros(3)))
   assert not _tree.is_function(params)
-  rows = sj.label_table(params, param_labels=fn)
+  rows = sj.label_table(sj.skewadam(1e-3, param_labels=fn), params)
   assert [r.tier for r in rows] == ['backbone', 'backbone']
 
 
@@ -230,9 +230,9 @@ def test_every_container_labels_initialises_and_updates(kind):
   grads = jax.tree.map(jnp.ones_like, pure)
   updates, _ = _quiet(tx.update, grads, _quiet(tx.init, pure), pure)
   assert jax.tree.structure(updates) == jax.tree.structure(grads)
-  rows = _quiet(sj.label_table, params)
+  rows = _quiet(sj.label_table, tx, params)
   assert len(rows) == len(jax.tree_util.tree_leaves(_unboxed(params)))
-  assert _quiet(sj.memory_report, params, tx).total_state_bytes > 0
+  assert _quiet(sj.memory_report, tx, params).total_state_bytes > 0
 
 
 def _unboxed(params: Any) -> Any:
@@ -261,8 +261,7 @@ def test_batch_axes_function_sees_the_given_labels():
     warnings.simplefilter('error', _labels.UnsureLabelWarning)
     state = tx.init(params)
     tx.update(jax.tree.map(jnp.ones_like, params), state, params)
-    rows = {r.path: r for r in sj.label_table(params, param_labels=my_labels,
-                                             batch_axes=batch_axes)}
+    rows = {r.path: r for r in sj.label_table(tx, params)}
   # The per-expert bias is banked with its kernel because the labels say experts.
   assert seen[0]['blk']['bank'] == {'w': (0,), 'b': (0,)}
   assert rows['blk/bank/b'].batch_axes == (0,)

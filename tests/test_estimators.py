@@ -115,15 +115,15 @@ def test_user_estimator_in_sharded_abstract_state_memory_report_and_label_table(
   target = sj.sharded_abstract_state(tx, PARAMS, SPECS, mesh=mesh)
   row = target[0].v_row['embed']
   assert row.shape == (8,) and row.sharding.spec == P('data')
-  report = sj.memory_report(PARAMS, tx)
+  report = sj.memory_report(tx, PARAMS)
   backbone = {t.tier: t for t in report.tiers}['backbone']
   # momentum of embed and norm, 8 row scalars, the norm's exact v
   assert backbone.state_bytes == 4 * (64 + 8 + 8 + 8)
-  rows = {r.path: r for r in sj.label_table(PARAMS, TIERS)}
+  rows = {r.path: r for r in sj.label_table(tx, PARAMS)}
   assert rows['embed'].second_moment == 'row mean'
   assert rows['embed'].state_bytes == 4 * (64 + 8)
   assert rows['norm'].second_moment == 'exact'
-  assert 'row mean' in sj.format_label_table(list(rows.values()))
+  assert 'row mean' in sj.label_table(tx, PARAMS).format()
 
 
 @pytest.mark.parametrize('shape, name', [((4, 6), 'factored'), ((6,), 'exact'),

@@ -80,7 +80,7 @@ def test_user_rules_come_first_and_default_is_backbone():
 def test_label_table_reports_every_leaf_with_state_bytes():
   model = mm.NNXMoELM(nnx.Rngs(0))
   state = nnx.state(model, nnx.Param)
-  rows = sj.label_table(state)
+  rows = sj.label_table(sj.skewadam(1e-3), state)
   assert {r.path: r.tier for r in rows} == mm.NNX_EXPECTED
   by_path = {r.path: r for r in rows}
   # experts: factored per expert, no momentum: (E*D + E*F) float32
@@ -89,7 +89,7 @@ def test_label_table_reports_every_leaf_with_state_bytes():
   assert by_path['blocks/1/router/kernel'].state_bytes == 4 * mm.D * mm.E
   # backbone matrix: fp32 momentum + row + col
   assert by_path['embed/embedding'].state_bytes == 4 * (mm.V * mm.D + mm.V + mm.D)
-  text = sj.format_label_table(rows)
+  text = rows.format()
   for path in mm.NNX_EXPECTED:
     assert path in text
   total = sj.optimizer_state_bytes(sj.skewadam(1e-3), state)
@@ -190,7 +190,7 @@ def test_experts_beside_a_router_by_their_leading_axis():
       'layer_0/mlp/router_logits/w': 'router', 'layer_0/mlp/gating_einsum/w': 'experts',
       'layer_0/mlp/linear/w': 'experts',
       'layer_0/mlp2/gating_einsum': 'backbone', 'layer_0/mlp2/linear': 'backbone'}
-  rows = {r.path: r.note for r in sj.label_table({'layer_0': layer})}
+  rows = {r.path: r.note for r in sj.label_table(sj.skewadam(1e-3), {'layer_0': layer})}
   assert rows['layer_0/mlp/linear/w'] == (
       'structure: leading axis 4 = the expert count of router layer_0/mlp/router_logits/w')
 
@@ -274,10 +274,10 @@ def test_experts_without_router_and_router_without_experts_are_reported():
   assert quiet({'moe': {'router': jnp.zeros((8, 4))}}) == {'moe': {'router': 'router'}}
 
 
-def test_format_label_table_has_a_note_column():
+def test_label_table_format_has_a_note_column():
   tree = {'moe': {'experts': {'w1': jnp.zeros((4, 8, 6))}}}
   with pytest.warns(_labels.UnsureLabelWarning):
-    text = sj.format_label_table(sj.label_table(tree))
+    text = sj.label_table(sj.skewadam(1e-3), tree).format()
   header = text.splitlines()[0].split()
   assert header[-1] == 'note'
   assert "UNSURE: labelled 'experts' but no leaf of the tree is labelled 'router'" in text

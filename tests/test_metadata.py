@@ -376,5 +376,5 @@ def test_boxed_updates_and_memory_report_see_through_renamed_boxes():
   assert jax.tree.structure(state2) == jax.tree.structure(state)
   inner = state2[0]
   assert inner.v_row['moe']['experts']['w1'].names == ('exp', 'embed')
-  tiers = {t.tier: t.state_bytes for t in sj.memory_report(p, tx).tiers}
+  tiers = {t.tier: t.state_bytes for t in sj.memory_report(tx, p).tiers}
   assert '(other)' not in tiers and tiers['experts'] == 4 * (8 + 16) * 4

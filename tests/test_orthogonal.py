@@ -159,8 +159,8 @@ def test_leaves_without_a_matrix_are_rejected_or_fall_back():
   params = {'b': jnp.zeros((4, 8)), 'w': jnp.zeros((4, 8, 6))}
   state = tx.init(params)
   assert state.v['b'].shape == (4, 8) and state.v['w'] is None
-  rows = sj.label_table(params, tiers={'backbone': fallback},
-                        batch_axes={'b': (0,), 'w': (0,)})
+  rows = sj.label_table(sj.skewadam(1.0, tiers={'backbone': fallback},
+                                    batch_axes={'b': (0,), 'w': (0,)}), params)
   assert [r.second_moment for r in rows] == ['exact', 'orthogonal']
   g = {'b': jnp.ones((4, 8)), 'w': jnp.asarray(_grads(0, (4, 8, 6)), jnp.float32)}
   u, _ = tx.update(g, state)
@@ -241,15 +241,15 @@ def test_label_table_and_skewadam_use_hidden_labels_for_muon_tiers():
   params = {'embed': jnp.zeros((64, 16)), 'mlp': jnp.zeros((16, 32)),
             'norm': jnp.zeros((16,)),
             'moe': {'router': jnp.zeros((16, 4)), 'experts': {'w1': jnp.zeros((4, 16, 32))}}}
-  rows = {r.path: r for r in sj.label_table(params, tiers=sj.MUON_TIERS)}
+  tx = sj.skewadam(1e-3, tiers=sj.MUON_TIERS)
+  rows = {r.path: r for r in sj.label_table(tx, params)}
   assert (rows['mlp'].tier, rows['mlp'].second_moment) == ('hidden', 'orthogonal')
   assert rows['mlp'].state_bytes == 16 * 32 * 4  # its momentum, no statistics
   assert (rows['embed'].tier, rows['embed'].second_moment) == ('backbone', 'factored')
   assert (rows['moe/experts/w1'].tier, rows['moe/experts/w1'].batch_axes) == ('experts', (0,))
   assert rows['moe/router'].tier == 'router'
-  tx = sj.skewadam(1e-3, tiers=sj.MUON_TIERS)
   assert sj.optimizer_state_bytes(tx, params) == sum(r.state_bytes for r in rows.values())
-  report = sj.memory_report(params, tx, param_labels=sj.hidden_param_labels)
+  report = sj.memory_report(tx, params, param_labels=sj.hidden_param_labels)
   assert {t.tier: t.state_bytes for t in report.tiers}['hidden'] == 16 * 32 * 4
 
 
@@ -332,8 +332,7 @@ def test_example_optimizers_of_the_muon_tiers(name):
 
   params = model_lib.abstract_params(model_lib.get_config('tiny')).to_pure_dict()
   tx, info = opt_lib.make_optimizer(name, 1e-3, total_steps=10, warmup_steps=1)
-  tiers = opt_lib.skewadam_tiers(name)
-  rows = sj.label_table(params, tiers=tiers)
+  rows = sj.label_table(tx, params)
   assert sj.optimizer_state_bytes(tx, params) == sum(r.state_bytes for r in rows)
   hidden = [r for r in rows if r.tier == 'hidden']
   assert hidden and all(r.second_moment == 'orthogonal' for r in hidden)

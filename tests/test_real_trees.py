@@ -115,8 +115,8 @@ def test_axis_names_confirm_and_never_change_the_function_labels(record):
 def test_skewadam_holds_less_state_than_adamw(record):
   tree = _nest(record['leaves'], lambda leaf: jax.ShapeDtypeStruct(tuple(leaf['shape']),
                                                                    jnp.float32))
-  skew = sj.memory_report(tree, sj.skewadam(1e-3)).total_state_bytes
-  adamw = sj.memory_report(tree, optax.adamw(1e-3)).total_state_bytes
+  skew = sj.memory_report(sj.skewadam(1e-3), tree).total_state_bytes
+  adamw = sj.memory_report(optax.adamw(1e-3), tree).total_state_bytes
   assert 0 < skew < adamw, f"{record['model']}: SkewAdam {skew:,} B >= AdamW {adamw:,} B"
 
 
@@ -134,7 +134,7 @@ def test_unrecognised_3d_leaf_warns_with_its_path():
   assert len(rec) == 1  # once per labeler call, not per leaf
   assert labels['layers_0']['mystery_block']['w_in'] == 'backbone'  # lossless default
   with pytest.warns(_labels.UnsureLabelWarning):
-    rows = {r.path: r for r in sj.label_table(MYSTERY)}
+    rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), MYSTERY)}
   assert rows['layers_0/mystery_block/w_in'].note.startswith('UNSURE: rank-3 leaf')
   assert rows['embed/embedding'].note == ''
 

@@ -114,11 +114,11 @@ def _unrolled(r: int, e: int) -> tuple[Any, dict]:
   return tree, expected
 
 
-def _report(tree: Any, **kwargs: Any) -> tuple[dict[str, sj.LeafReport], str]:
+def _report(tree: Any) -> tuple[dict[str, sj.LeafReport], str]:
   """label_table rows by path, and the text of every unsure-label warning."""
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    rows = {r.path: r for r in sj.label_table(tree, **kwargs)}
+    rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), tree)}
   text = '\n'.join(str(w.message) for w in caught
                    if issubclass(w.category, _labels.UnsureLabelWarning))
   return rows, text
@@ -181,10 +181,10 @@ def test_the_bank_named_like_a_dense_mlp_gets_the_expert_state():
   """The state of the unrolled MoE: about 0.29x AdamW's (0.57x with the bank in the
   backbone, as the name rules alone had it)."""
   tree, _ = _unrolled(2, 4)
-  skew = sj.memory_report(tree, sj.skewadam(1e-3)).total_state_bytes
-  adamw = sj.memory_report(tree, optax.adamw(1e-3)).total_state_bytes
+  skew = sj.memory_report(sj.skewadam(1e-3), tree).total_state_bytes
+  adamw = sj.memory_report(optax.adamw(1e-3), tree).total_state_bytes
   dense = sj.make_labeler([('mlp', 'backbone'), ('proj', 'backbone')])
-  as_dense = sj.memory_report(tree, sj.skewadam(1e-3, param_labels=dense),
+  as_dense = sj.memory_report(sj.skewadam(1e-3, param_labels=dense), tree,
                               param_labels=dense).total_state_bytes
   assert skew / adamw < 0.35 < 0.5 < as_dense / adamw
 
@@ -197,7 +197,7 @@ def test_a_stack_and_a_bank_that_could_be_confused_are_reported():
                   'grp': {'w_in': _z(6, 4, D, F), 'w_out': _z(6, 4, F, D)}}}
   with pytest.warns(_labels.UnsureLabelWarning,
                     match=r'blk/grp/\*\* \(blk/grp/w_in(.|\n)*could be confused'):
-    rows = {r.path: r for r in sj.label_table(tree)}
+    rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), tree)}
   assert rows['blk/grp/w_in'].note.startswith('UNSURE')
   with pytest.raises(ValueError, match='could be confused'):
     sj.make_labeler(strict=True)(tree)

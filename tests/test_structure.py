@@ -103,12 +103,11 @@ def test_each_decision_lists_only_the_banks_it_dispatches():
 def test_result_is_accepted_by_label_table_and_memory_report():
   case = structure_models.nested_case()
   result = sj.trace_structure(case.fn, case.params, *case.args)
-  rows = sj.label_table(case.params, param_labels=result.labels, batch_axes=result.batch_axes)
+  tx = sj.skewadam(1e-3, param_labels=result.labels, batch_axes=result.batch_axes)
+  rows = sj.label_table(tx, case.params)
   assert {r.path: r.tier for r in rows} == case.tiers
   assert {r.path: r.batch_axes for r in rows} == case.axes
-  report = sj.memory_report(case.params, sj.skewadam(1e-3, param_labels=result.labels,
-                                                      batch_axes=result.batch_axes),
-                            param_labels=result.labels)
+  report = sj.memory_report(tx, case.params, param_labels=result.labels)
   assert {t.tier for t in report.tiers} == {'backbone', 'experts', 'router'}
 
 

@@ -74,8 +74,8 @@ def test_tier_policy_matches_reference_over_30_steps(tiers, ref):
 def _extra_state_bytes(tiers) -> tuple[int, int]:
   """(state bytes of `tiers` - those of the published tiers, the router's bytes)."""
   params = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in init_params().items()}
-  published = sj.memory_report(nest(params), sj.skewadam(1e-3)).total_state_bytes
-  ours = sj.memory_report(nest(params), sj.skewadam(1e-3, tiers=tiers)).total_state_bytes
+  published = sj.memory_report(sj.skewadam(1e-3), nest(params)).total_state_bytes
+  ours = sj.memory_report(sj.skewadam(1e-3, tiers=tiers), nest(params)).total_state_bytes
   router = sum(v.size * 4 for k, v in params.items() if _tier_of(k) == 'router')
   return ours - published, router
 

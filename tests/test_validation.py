@@ -8,6 +8,7 @@ numbers, so traced values (`optax.inject_hyperparams`, `jax.jit`) still pass.
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -304,7 +305,7 @@ def test_integer_leaf_error_gives_advice_that_works_for_skewadam():
 def test_label_table_names_the_integer_leaf():
   params = {'embed': jnp.zeros((6, 4)), 'counters': {'step': jnp.zeros((), jnp.int32)}}
   with pytest.raises(TypeError, match=r'parameter counters/step has non-floating dtype int32'):
-    sj.label_table(params)
+    sj.label_table(sj.skewadam(1e-3), params)
 
 
 @pytest.mark.parametrize('make', [sj.skewadam, sj.adampm])
@@ -318,7 +319,7 @@ def test_learning_rate_of_the_wrong_type_names_the_argument(make):
 
 def test_memory_report_of_something_not_an_optimizer_names_tx():
   with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation .*got "
-                                      r"str 'adam'"):
+                                      r"str 'adam'"), pytest.deprecated_call():
     sj.memory_report(PARAMS, 'adam')  # the order before memory_report(tx, params)
   with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation .*got "
                                       r"str 'adam'"):
@@ -377,14 +378,16 @@ def test_injected_weight_decay_still_works(make):
 @pytest.mark.parametrize('where', ['skewadam', 'label_table'])
 def test_tiers_that_are_not_a_mapping_of_tiers_name_tiers(where, tiers):
   call = {'skewadam': lambda: sj.skewadam(1e-3, tiers=tiers),
-          'label_table': lambda: sj.label_table(PARAMS, tiers=tiers)}[where]
+          'label_table': lambda: sj.label_table(PARAMS, tiers=tiers)}[where]  # old form
   with pytest.raises(TypeError, match=r'`tiers` must be a non-empty mapping from tier name '
-                                      r'\(a str\) to skewadam_jax.Tier'):
+                                      r'\(a str\) to skewadam_jax.Tier'), warnings.catch_warnings():
+    warnings.simplefilter('ignore', DeprecationWarning)
     call()
 
 
 def test_label_table_checks_each_tier():
-  with pytest.raises(TypeError, match=r"`tiers\['router'\]` must be a skewadam_jax.Tier"):
+  with pytest.raises(TypeError, match=r"`tiers\['router'\]` must be a skewadam_jax.Tier"), \
+      pytest.deprecated_call():  # the old form validates the tiers as skewadam does
     sj.label_table(PARAMS, tiers={**sj.PUBLISHED_TIERS, 'router': 'exact'})
 
 

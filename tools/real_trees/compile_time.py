@@ -39,7 +39,7 @@ optimised HLO's ENTRY computation (a scanned model's layer loop is one `while` t
 its body is not counted); `entry_kernels_all` in the JSON counts every non-free ENTRY
 instruction (as `benchmarks/_common.hlo_kernel_bytes`).
 
-Also checked once per model: `sj.label_table(params)` against record.py's hand
+Also checked once per model: `sj.label_table(sj.skewadam(lr), params)` against record.py's hand
 judgement (`easydel_judge` / `maxtext_judge`) of every leaf's tier.
 
 Writes `<out>/<library>.json` and `<out>/<library>.md` (default out: `runs/real_compile_time`
@@ -263,7 +263,7 @@ def compile_once(kind: str, model: Model, opt: str) -> dict[str, Any]:
 def label_check(model: Model) -> dict[str, Any]:
   import skewadam_jax as sj
 
-  rows = sj.label_table(model.params)
+  rows = sj.label_table(sj.skewadam(1e-3), model.params)
   by_path = {r.path: r for r in rows}
   leaves = []
   for leaf in model.leaves:
@@ -280,7 +280,7 @@ def label_check(model: Model) -> dict[str, Any]:
     counts.setdefault(x['expected'], {}).setdefault(str(x['got']), 0)
     counts[x['expected']][str(x['got'])] += 1
   return {'leaves': leaves, 'mismatches': wrong, 'expected_vs_got': counts,
-          'table': sj.format_label_table(rows)}
+          'table': rows.format()}
 
 
 # ------------------------------------------------------------------------- report

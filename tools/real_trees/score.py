@@ -121,10 +121,10 @@ def score(path: str, slices: bool = False) -> dict[str, Any]:
       wrong_axes=[(p, axes.get(p), hand[p]) for p in hand if axes.get(p) != hand[p]],
       old_wrong_axes=[p for p in hand if old[p] != hand[p]],
       warnings=len(caught),
-      skewadam=sj.memory_report(f32, sj.skewadam(1e-3)).total_state_bytes,
-      skewadam_old=sj.memory_report(f32, sj.skewadam(1e-3, batch_axes=OLD_AXES)
+      skewadam=sj.memory_report(sj.skewadam(1e-3), f32).total_state_bytes,
+      skewadam_old=sj.memory_report(sj.skewadam(1e-3, batch_axes=OLD_AXES), f32
                                     ).total_state_bytes,
-      adamw=sj.memory_report(f32, optax.adamw(1e-3)).total_state_bytes)
+      adamw=sj.memory_report(optax.adamw(1e-3), f32).total_state_bytes)
   if slices:
     row['moved_old'] = moved_slices(tree, hand, OLD_AXES)
     row['moved'] = moved_slices(tree, hand, None)

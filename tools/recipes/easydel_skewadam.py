@@ -32,11 +32,11 @@ tx = optax.chain(optax.clip_by_global_norm(1.0), sj.skewadam(3e-3, weight_decay=
 state = ed.EasyDeLState.create(model=model, tx=tx, init_opt_state=True)
 params = state.graphstate
 
-print(sj.format_label_table(sj.label_table(params)))
+print(sj.label_table(tx, params).format())
 print()
-print(sj.memory_report(params, tx).format('SkewAdam'))
+print(sj.memory_report(tx, params).format('SkewAdam'))
 print()
-print(sj.memory_report(params, optax.adamw(3e-3, weight_decay=0.1)).format('AdamW'))
+print(sj.memory_report(optax.adamw(3e-3, weight_decay=0.1), params).format('AdamW'))
 print()
 
 # A few jitted steps on random tokens (next-token loss), through EasyDeLState.apply_gradients.

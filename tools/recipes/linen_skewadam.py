@@ -58,11 +58,11 @@ params = model.init(jax.random.key(0), inputs)['params']
 
 tx = optax.chain(optax.clip_by_global_norm(1.0), sj.skewadam(3e-3, weight_decay=0.1))
 
-print(sj.format_label_table(sj.label_table(params)))
+print(sj.label_table(tx, params).format())
 print()
-print(sj.memory_report(params, tx).format('SkewAdam'))
+print(sj.memory_report(tx, params).format('SkewAdam'))
 print()
-print(sj.memory_report(params, optax.adamw(3e-3, weight_decay=0.1)).format('AdamW'))
+print(sj.memory_report(optax.adamw(3e-3, weight_decay=0.1), params).format('AdamW'))
 print()
 
 

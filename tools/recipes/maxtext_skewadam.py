@@ -62,12 +62,12 @@ def main():
   schedule, tx = train_utils.create_training_optimizer(config, abstract_model, mesh=mesh)
   abstract_params = nnx.state(abstract_model, nnx.Param)  # what nnx.Optimizer hands tx.init
 
-  print(sj.format_label_table(sj.label_table(abstract_params)))
+  print(sj.label_table(tx, abstract_params).format())
   print()
-  print(sj.memory_report(abstract_params, tx).format('SkewAdam'))
+  print(sj.memory_report(tx, abstract_params).format('SkewAdam'))
   print()
   adamw = _maxtext_get_optimizer(config, schedule, abstract_model, mesh=mesh)  # opt_type=adamw
-  print(sj.memory_report(abstract_params, adamw).format("AdamW (MaxText's own, opt_type=adamw)"))
+  print(sj.memory_report(adamw, abstract_params).format("AdamW (MaxText's own, opt_type=adamw)"))
   print()
 
   # A concrete model and a few jitted steps on random tokens.

@@ -64,6 +64,8 @@ from skewadam_jax._sharding import state_shardings
 # Checkpoints: does a saved state match the optimizer's (before restoring it)?
 from skewadam_jax._checkpoint import check_checkpoint_matches
 from skewadam_jax._checkpoint import checkpoint_mismatches
+from skewadam_jax._checkpoint import relayout_state
+from skewadam_jax._checkpoint import saved_layout_target
 # AdamPM's pooling, to analyse a second moment as AdamPM sees it.
 from skewadam_jax._grouped import expand_groups
 from skewadam_jax._grouped import groupmean
@@ -120,6 +122,8 @@ __all__ = (
     # Sharding and checkpoints.
     'check_checkpoint_matches',
     'checkpoint_mismatches',
+    'relayout_state',
+    'saved_layout_target',
     'sharded_abstract_state',
     'state_shardings',
     # Helpers: AdamPM's pooling, stochastic rounding for bf16 weights.

@@ -297,11 +297,111 @@ def test_a_state_of_partitioned_tiers_names_each_parameters_tier():
   saved = jax.eval_shape(partitioned.init, params)
   want = jax.eval_shape(sj.scale_by_tiers(sj.PUBLISHED_TIERS, labels).init, params)
   lines = sj.checkpoint_mismatches(want, saved)
-  assert lines[0] == ('optimizer state type differs: the checkpoint holds tiers backbone, '
+  assert lines[0].startswith('the checkpoint holds this state in another layout')
+  assert lines[1] == ('optimizer state type differs: the checkpoint holds tiers backbone, '
                       'experts, router; state fields count, mu, v, v_row, v_col; this '
                       'optimizer builds state fields count, mu, v, v_row, v_col')
   assert ("parameter blocks/1/moe/experts/w1: the checkpoint keeps its state in tier "
           "'experts' (v_row, v_col), this optimizer in (v_row, v_col)") in lines
+
+
+# ------------------------------------------------------------------ another layout
+
+
+def _partitioned_skewadam(params, learning_rate=1e-2, weight_decay=0.1):
+  """SkewAdam as a chain of its tiers under `optax.partition`: its earlier layout, and
+  how users who compose `scale_by_tiered_adam` per tier build it."""
+  labels = sj.moe_param_labels(params)
+  decays = jax.tree.map(lambda label: sj.PUBLISHED_TIERS[label].apply_weight_decay, labels)
+  return optax.chain(
+      optax.partition({name: sj.scale_by_tiered_adam(tier=tier)
+                       for name, tier in sj.PUBLISHED_TIERS.items()}, labels),
+      optax.add_decayed_weights(weight_decay, decays),
+      optax.scale_by_learning_rate(learning_rate))
+
+
+def _train_steps(tx, params, opt_state, start, stop):
+  step = jax.jit(lambda p, s, t: _apply(tx, p, s, t))
+  for i in range(start, stop):
+    params, opt_state = step(params, opt_state, jnp.float32(i))
+  return params, opt_state
+
+
+def _save(path, params, opt_state):
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, {'params': params, 'opt_state': opt_state})
+  checkpointer.wait_until_finished()
+
+
+def test_a_checkpoint_of_partitioned_tiers_resumes_in_one_state(tmp_path):
+  """A checkpoint written with the tiers under `optax.partition` restores into
+  `skewadam`'s one state, and training goes on exactly as it would have."""
+  old = _partitioned_skewadam(_params())
+  params, opt_state = _train_steps(old, _params(), old.init(_params()), 0, 3)
+  _save(tmp_path / 'c', params, opt_state)
+  expected, _ = _train_steps(old, params, opt_state, 3, 6)
+
+  target = _target(SKEWADAM, _params())
+  metadata = ocp.StandardCheckpointer().metadata(tmp_path / 'c')
+  with pytest.raises(ValueError, match=r'Differences:\n  - the checkpoint holds this state '
+                     r'in another layout .*sj.relayout_state\(restored, target\)'):
+    sj.check_checkpoint_matches(target, metadata)
+  as_saved = ocp.StandardCheckpointer().restore(tmp_path / 'c')  # nested dicts and lists
+  state = sj.relayout_state(as_saved, target)
+  assert jax.tree.structure(state) == jax.tree.structure(target)
+  assert int(state['opt_state'][0].count) == 3
+  got, _ = _train_steps(SKEWADAM, state['params'], state['opt_state'], 3, 6)
+  jax.tree.map(np.testing.assert_array_equal, got, expected)
+
+  # Onto the checkpoint's layout with this run's shardings, then converted: the same.
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  sharded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         target)
+  onto = sj.saved_layout_target(sharded, metadata)
+  restored = ocp.StandardCheckpointer().restore(tmp_path / 'c', onto)
+  again = sj.relayout_state(restored, sharded)
+  jax.tree.map(np.testing.assert_array_equal, again, state)
+  assert all(x.sharding == sharding for x in jax.tree.leaves(again))
+
+
+def test_a_checkpoint_in_one_state_restores_into_partitioned_tiers(tmp_path):
+  params, opt_state = _train_steps(SKEWADAM, _params(), SKEWADAM.init(_params()), 0, 2)
+  _save(tmp_path / 'c', params, opt_state)
+  old = _partitioned_skewadam(_params())
+  target = _target(old, _params())
+  state = sj.relayout_state(ocp.StandardCheckpointer().restore(tmp_path / 'c'), target)
+  counts = [inner.inner_state.count for inner in state['opt_state'][0].inner_states.values()]
+  assert [int(c) for c in counts] == [2, 2, 2]  # one count per tier, from the one state
+  got, _ = _train_steps(old, state['params'], state['opt_state'], 2, 4)
+  expected, _ = _train_steps(SKEWADAM, params, opt_state, 2, 4)
+  jax.tree.map(np.testing.assert_array_equal, got, expected)
+
+
+def test_another_state_is_not_relaid_out(tmp_path):
+  params = _params()
+  _save(tmp_path / 'c', params, ADAMPM.init(params))
+  as_saved = ocp.StandardCheckpointer().restore(tmp_path / 'c')
+  with pytest.raises(ValueError, match=r'`sj.relayout_state\(restored, target\)`: the '
+                     r'checkpoint does not hold this state in another layout(.|\n)*'
+                     r'opt_state/0/v_row/blocks/0/attn/q_proj/kernel: not in the checkpoint'):
+    sj.relayout_state(as_saved, _target(SKEWADAM, params))
+  with pytest.raises(ValueError, match=r'opt_state/0/nu/blocks/1/moe/experts/w1: the '
+                     r'checkpoint has \(4, 16, 4\) float32, this optimizer \(4, 16, 16\) '
+                     r'float32'):
+    sj.relayout_state(as_saved, _target(sj.adampm(1e-2, group_size=2), params))
+  assert 'another layout' not in ' '.join(sj.checkpoint_mismatches(
+      _target(SKEWADAM, params), ocp.StandardCheckpointer().metadata(tmp_path / 'c')))
+
+
+def test_step_counts_that_differ_between_tiers_are_an_error():
+  old = _partitioned_skewadam(_params())
+  state = old.init(_params())
+  inner = state[0].inner_states
+  inner['router'] = inner['router']._replace(
+      inner_state=inner['router'].inner_state._replace(count=jnp.int32(5)))
+  with pytest.raises(ValueError, match=r'0/inner_states/backbone/inner_state/count and '
+                     r'0/inner_states/router/inner_state/count are one value'):
+    sj.relayout_state(state, jax.eval_shape(SKEWADAM.init, _params()))
 
 
 def test_long_mismatch_lists_are_cut_with_a_count():

@@ -171,7 +171,8 @@ class Structure:
 
 class _Info(NamedTuple):
   """What the analysis knows about one jaxpr variable."""
-  axes: tuple[frozenset, ...]  # per axis: (leaf, axis) | ('d', dec) dispatched | ('e', dec)
+  # per axis: (leaf, axis) | ('d', dec) dispatched | ('e', dec) | _INPUT_AXIS | ...
+  axes: tuple[frozenset, ...]
   data: bool = False  # depends on the function's inputs (not only on parameters)
   routed: frozenset = _EMPTY  # routing decisions it depends on
   eid: Optional[int] = None  # its values are expert ids of this decision
@@ -181,6 +182,7 @@ class _Info(NamedTuple):
   # (decision, id or None) pairs: its values are zero wherever that decision's expert id
   # differs from the id (`i == 2`, a one-hot's column 2; None: an id not known here)
   mask: frozenset = _EMPTY
+  unmask: frozenset = _EMPTY  # ... (decision, id) pairs: false only where the id is it
   open: frozenset = _EMPTY  # leaves reaching it other than through such a mask
 
 
@@ -206,7 +208,8 @@ def _join(a: _Info, b: _Info) -> _Info:
   axes = a.axes if len(a.axes) != len(b.axes) else tuple(x | y for x, y in zip(a.axes, b.axes))
   return _Info(axes, a.data or b.data, a.routed | b.routed,
                a.eid if a.eid == b.eid else None, a.iota if a.iota == b.iota else None,
-               a.deps | b.deps, a.free | b.free, a.mask & b.mask, a.open | b.open)
+               a.deps | b.deps, a.free | b.free, a.mask & b.mask,
+               a.unmask & b.unmask, a.open | b.open)
 
 
 def _reshape_groups(src: Sequence[int], dst: Sequence[int]
@@ -482,52 +485,70 @@ class _Analysis:
       if any(hot):
         free = frozenset().union(*(x.free for x, v in zip(ins, eqn.invars)
                                    if self._aligned(eqn, x, v, hot)))
-    mask, open_ = self._masked(eqn, ins)
-    return [o._replace(deps=deps, free=free, mask=mask, open=open_) for o in outs]
+    mask, unmask, open_ = self._masked(eqn, ins)
+    return [o._replace(deps=deps, free=free, mask=mask, unmask=unmask, open=open_)
+            for o in outs]
 
-  def _masked(self, eqn: Any, ins: list[_Info]) -> tuple[frozenset, frozenset]:
-    """The expert-id mask of the output and the leaves reaching it not through one.
+  def _masked(self, eqn: Any, ins: list[_Info]) -> tuple[frozenset, frozenset, frozenset]:
+    """The expert-id masks of the output and the leaves reaching it not through one.
 
     `ids == 2` (a decision's expert ids against a constant) or column 2 of a one-hot of
-    them is zero wherever a token's unit is not unit 2. A product with it (`mul`,
-    `dot_general`) or a `select_n` by it lets the other operands' leaves reach the output
-    only for those tokens: they are recorded as masked by (decision, 2) and leave `open`.
+    them is zero wherever a token's unit is not unit 2; `ids != 2` is its negation. A
+    product with a mask (`mul`, `dot_general`), the case a `select_n` by one takes for
+    unit 2, or case 2 of a `select_n` by the ids themselves lets the other operands'
+    leaves reach the output only for those tokens: they are recorded as masked by
+    (decision, 2) and leave `open`. Returns (mask, negated mask, open).
     """
     prim = eqn.primitive.name
     open_ = frozenset().union(*(x.open for x in ins))
-    mask = _EMPTY
-    if prim == 'eq' and len(ins) == 2:
+    mask = unmask = _EMPTY
+    if prim in ('eq', 'ne') and len(ins) == 2:
       pairs = list(zip(ins, eqn.invars))
       for (a, _), (b, var) in (pairs, pairs[::-1]):
         if a.eid is not None and b.eid is None and b.iota is None and not (
             b.data or b.routed or b.deps or any(b.axes)):
           value = var.val if isinstance(var, jex_core.Literal) else None
-          mask = frozenset({(a.eid, int(value) if np.ndim(value) == 0 and value is not None
-                             else None)})
+          found = frozenset({(a.eid, int(value) if value is not None and np.ndim(value) == 0
+                              else None)})
+          mask, unmask = (found, _EMPTY) if prim == 'eq' else (_EMPTY, found)
+    elif prim == 'not':
+      mask, unmask = ins[0].unmask, ins[0].mask
     elif prim == 'slice':  # a column of a one-hot of the ids
       src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
       mask = ins[0].mask | frozenset(
           (dec, start) for tokens, n, m, start in zip(ins[0].axes, src, dst,
                                                       eqn.params['start_indices'])
           if n > 1 and m == 1 for dec in _flags(tokens, 'e'))
+      unmask = ins[0].unmask
     elif prim in _MASK_KEEPING:
-      mask = ins[0].mask
-    elif prim in ('mul', 'and', 'dot_general') or (
-        prim == 'select_n' and len(ins) == 3 and ins[0].mask):
-      gates = [0] if prim == 'select_n' else [i for i, x in enumerate(ins) if x.mask]
-      if prim == 'select_n':  # the first case is taken where the mask is zero
-        mask = ins[0].mask | ins[2].mask if not (ins[1].deps or ins[1].data) else _EMPTY
-        gated, open_ = [ins[2]], ins[0].open | ins[1].open
-      else:
-        mask = frozenset().union(*(x.mask for x in ins))
-        gated = [x for i, x in enumerate(ins) if i not in gates]
-        if gates:
-          open_ = frozenset().union(*(ins[i].open for i in gates))
-      for dec, value in frozenset().union(*(ins[i].mask for i in gates)):
-        for x in gated:
-          for leaf in x.open:
-            self.masked.setdefault(leaf, {}).setdefault(dec, set()).add(value)
-    return mask, open_
+      mask, unmask = ins[0].mask, ins[0].unmask
+    elif prim == 'select_n' and len(ins) == 3 and (ins[0].mask or ins[0].unmask):
+      # select_n(pred, on_false, on_true): the case taken for unit 2 is masked by it.
+      unit = 2 if ins[0].mask else 1
+      other = ins[3 - unit]
+      if not (other.deps or other.data):  # zero (a constant) for the other units
+        mask = (ins[0].mask or ins[0].unmask) | ins[unit].mask
+      open_ = ins[0].open | other.open
+      self._mask_leaves(ins[0].mask or ins[0].unmask, [ins[unit]])
+    elif prim == 'select_n' and ins[0].eid is not None:  # `select_n(ids, *per_unit)`
+      open_ = ins[0].open
+      for unit, x in enumerate(ins[1:]):
+        self._mask_leaves(frozenset({(ins[0].eid, unit)}), [x])
+    elif prim in ('mul', 'and', 'dot_general'):
+      mask = frozenset().union(*(x.mask for x in ins))
+      gates = [i for i, x in enumerate(ins) if x.mask]
+      if gates:
+        open_ = frozenset().union(*(ins[i].open for i in gates))
+        self._mask_leaves(frozenset().union(*(ins[i].mask for i in gates)),
+                          [x for i, x in enumerate(ins) if i not in gates])
+    return mask, unmask, open_
+
+  def _mask_leaves(self, masks: frozenset, gated: Sequence[_Info]) -> None:
+    """The leaves reaching `gated` not through a mask now reach on through `masks`."""
+    for dec, value in masks:
+      for x in gated:
+        for leaf in x.open:
+          self.masked.setdefault(leaf, {}).setdefault(dec, set()).add(value)
 
   def _aligned(self, eqn: Any, x: _Info, var: Any, hot: list[bool]) -> bool:
     """Whether operand `var` supplies a non-trivial output axis flagged in `hot`."""

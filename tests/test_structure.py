@@ -266,14 +266,21 @@ def test_expert_choice_whose_expert_axis_cannot_be_told_is_reported():
 def test_units_in_a_list_masked_by_expert_id():
   def fn(p, x):
     ids = jnp.argmax(x @ p['a'], -1)
-    return sum(jnp.where((ids == e)[:, None], x @ w, 0.0) for e, w in enumerate(p['w']))
+    y = sum(jnp.where((ids == e)[:, None], x @ w, 0.0) for e, w in enumerate(p['w']))
+    y = y + sum(jnp.where((ids != e)[:, None], 0.0, x @ w) for e, w in enumerate(p['n']))
+    outs = [x @ w for w in p['s']]  # case e of a select by the ids
+    return y + jax.lax.select_n(jnp.broadcast_to(ids[:, None], outs[0].shape), *outs)
 
-  p = {'a': jnp.zeros((D, E)), 'w': [jnp.zeros((D, F)) for _ in range(E)]}
+  units = [jnp.zeros((D, F)) for _ in range(E)]
+  p = {'a': jnp.zeros((D, E)), 'w': units, 'n': units, 's': units}
   result = sj.trace_structure(fn, p, X)
-  assert result.labels == {'a': 'router', 'w': ['experts'] * E}
-  assert result.batch_axes == {'a': (), 'w': [()] * E}
-  assert result.decisions[0].experts == tuple(f'w/{e}' for e in range(E))
+  assert result.labels == {'a': 'router', **{k: ['experts'] * E for k in 'wns'}}
+  assert result.batch_axes == {'a': (), **{k: [()] * E for k in 'wns'}}
+  assert set(result.decisions[0].experts) == {f'{k}/{e}' for k in 'wns' for e in range(E)}
+  assert result.undecided == {}
   assert 'id is 2' in result.by_path['w/2'].evidence
+  assert 'id is 2' in result.by_path['n/2'].evidence
+  assert 'id is 2' in result.by_path['s/2'].evidence
 
 
 def test_units_masked_by_a_one_hot_column_and_in_a_loop_over_a_stack():

@@ -351,7 +351,7 @@ class _Analysis:
     for a in ([expert] if expert is not None else others):
       d.routers.update(_params_of(operand.axes[a]))
     d.deps = d.deps | operand.deps
-    return self.order.index(key), ids
+    return self.order.index(key), d.ids  # as first read (a loop's later passes add axes)
 
   def _experts_of(self, tokens: frozenset, dispatched: bool) -> set[int]:
     """Decisions whose experts this axis indexes (with `dispatched`: or whose tokens)."""

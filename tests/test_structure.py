@@ -239,14 +239,24 @@ def test_expert_choice_selects_tokens_and_the_router_axis_indexes_experts():
   assert result.decisions[0].num_experts == E  # not T, the length of the selected axis
 
 
-def test_expert_choice_by_argmax_over_tokens():
+@pytest.mark.parametrize('pick', ['argmax', 'argsort', 'per_sequence'])
+def test_expert_choice_by_argmax_argsort_or_per_sequence(pick):
   def fn(p, x):
-    pos = jnp.argmax(x @ p['a'], axis=0)  # [E]: each unit's one token
-    return jnp.einsum('ed,edf->ef', x[pos], p['b'])
+    scores = x @ p['a']  # [T, E]
+    if pick == 'argmax':  # each unit's one token
+      return jnp.einsum('ed,edf->ef', x[jnp.argmax(scores, axis=0)], p['b'])
+    if pick == 'argsort':
+      return jnp.einsum('ecd,edf->ecf', x[jnp.argsort(-scores.T, axis=1)[:, :3]], p['b'])
+    xs = x.reshape(2, T // 2, D)  # each unit picks 3 tokens of each sequence
+    _, idx = jax.lax.top_k(jnp.einsum('bsd,de->bes', xs, p['a']), 3)  # [B, E, 3]
+    picked = jnp.take_along_axis(xs[:, None], idx[..., None], axis=2)  # [B, E, 3, D]
+    return jnp.einsum('becd,edf->becf', picked, p['b'])
 
   p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
   result = sj.trace_structure(fn, p, X)
   assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.batch_axes == {'a': (), 'b': (0,)}
+  assert result.decisions[0].num_experts == E
 
 
 def test_expert_choice_whose_expert_axis_cannot_be_told_is_reported():

@@ -6,20 +6,28 @@ with it. `trace_structure` traces the forward (or loss) function to a jaxpr (not
 on data) and follows every parameter through it:
 
 * a **routing decision** is a `top_k`, `approx_max_k`, `argmax`/`argmin` or a `sort`
-  (argsort) whose selected axis carries a parameter's axis; the parameters whose axes
-  reach that axis (the kernel whose contraction produces the logits' expert axis, and
-  any bias or scale added to the logits) are the **router**, and the axis's length is
-  the expert count `E`; so is a parameter that the logits depend on and that reaches
-  the outputs only through them (a scale of the router's input);
+  (argsort) whose operand has an expert axis: one a parameter's axis reaches and no
+  input's axis does. Token choice selects along it (the indices are expert ids); expert
+  choice selects along the token axis and the expert axis is another (the indices are
+  token positions). The parameters whose axes reach the expert axis (the kernel whose
+  contraction produces it, any bias or scale added to the logits) are the **router**,
+  and its length is the expert count `E`; so is a parameter that the logits depend on
+  and that reaches the outputs only through them (a scale of the router's input);
 * an **expert bank** is a parameter whose axis of length `E` meets an expert-indexed
   axis: a `dot_general` batch dimension shared with tokens dispatched by the decision
-  (gathered, scattered or sorted by routing indices), a batch or contracting dimension
-  (or an elementwise alignment) shared with an axis that indexes experts (the router's
-  logits, a one-hot of the expert ids), the group axis of a `ragged_dot`, an axis
+  (gathered, scattered or sorted by routing indices; tokens an expert choice gathers
+  keep its expert axis), a batch or contracting dimension (or an elementwise
+  alignment) shared with an axis that indexes experts (the router's logits, a one-hot
+  of the expert ids), the group axis of a `ragged_dot`, an axis
   gathered (or dynamically sliced) by expert ids (a decision's indices, or an E-long
   iota read at positions computed from them: `jnp.repeat(arange(E), sizes)`), or an
   E-long axis of an operand of a call the analysis cannot enter (a Pallas grouped
   matmul) whose integer operands derive from the decision; that axis is a batch axis;
+* a **unit stored apart** is a parameter whose every way to the outputs goes through a
+  mask of a decision's expert ids against a constant (`where(ids == 2, y, 0)`, a
+  product with `ids == 2` or with column 2 of a one-hot of the ids): experts, one matrix
+  (a Python list of expert matrices); a stacked parameter applied unit by unit under
+  such masks is a bank along the axis taken apart;
 * **scanned layers** are parameters consumed (whatever the transposes, reshapes,
   broadcasts and slices on the way) as the `xs` of a `scan` that reads no input data;
   the scanned axis, mapped back to the parameter's own axis, is a batch axis, one per
@@ -32,18 +40,22 @@ on data) and follows every parameter through it:
   is backbone, with no batch axes: its other axes form one matrix.
 
 Every variable of the jaxpr carries, per axis, the set of parameter axes it derives from
-(through `transpose`, `reshape` where the axis survives as its own dimension,
-`broadcast_in_dim`, slicing, elementwise ops, `dot_general` free and batch dimensions,
-`gather` offset dimensions, reductions over the other axes), plus whether it depends on
-the inputs, on which routing decisions, whether its values are expert ids, and which
-leaves its values depend on (all of them, and those not only through a router's
-logits). Calls are entered (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `shard_map`),
-`scan`/`while` carries are iterated to a fixed point and `cond` branches are joined.
-The analysis runs up to three times: the first pass finds the decisions and their
-routers, the second marks the logits' axes as expert-indexed, the third (when a
-decision dispatches a bank) stops the value dependences at the logits. A parameter
-that reaches a primitive the analysis does not know is reported as undecided, as is
-one the function never reads.
+and whether an input's axis reaches it (through `transpose`, `reshape` where the axis
+survives as its own dimension, `broadcast_in_dim`, slicing, elementwise ops,
+`dot_general` free and batch dimensions, `gather` offset dimensions, reductions over the
+other axes), plus whether it depends on the inputs, on which routing decisions, whether
+its values are expert ids or are zero unless the ids equal a constant (a mask), and
+which leaves its values depend on (all of them, those not only through a router's
+logits, those not only through a mask). Calls are entered (`jit`, `remat`,
+`custom_jvp`/`custom_vjp`, `shard_map`), `scan`/`while` carries are iterated to a fixed
+point and `cond` branches are joined. The analysis runs up to three times: the first
+pass finds the decisions and their routers, the second marks the logits' axes as
+expert-indexed, the third (when a decision dispatches a bank) stops the value
+dependences at the logits. A parameter that reaches a primitive the analysis does not
+know is reported as undecided, as is one the function never reads, one producing or
+meeting the tokens of a decision whose expert axis cannot be told (several operand axes
+come from parameters, none from the inputs), and one masked by several ids with no
+unit axis.
 """
 
 from __future__ import annotations
@@ -70,6 +82,15 @@ _ID_PRESERVING = frozenset({
 _COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge'})
 _REDUCTIONS = frozenset({'reduce_sum', 'reduce_max', 'reduce_min', 'reduce_prod',
                          'reduce_and', 'reduce_or', 'reduce_xor', 'argmax', 'argmin'})
+# Primitives whose output is zero wherever their first operand is (layout, dtype, sums):
+# an expert-id mask stays one through them.
+_MASK_KEEPING = frozenset({
+    'broadcast_in_dim', 'reshape', 'transpose', 'squeeze', 'expand_dims', 'slice',
+    'dynamic_slice', 'gather', 'rev', 'convert_element_type', 'copy', 'copy_p',
+    'reduce_sum', 'reduce_max', 'reduce_precision', 'pvary', 'name', 'stop_gradient'})
+# Marks an axis that derives from an axis of the function's inputs (a token, batch or
+# sequence axis), as opposed to one a parameter's axis produces.
+_INPUT_AXIS = ('x', 0)
 _SCATTERS = frozenset({'scatter', 'scatter-add', 'scatter_add', 'scatter-mul',
                        'scatter_mul', 'scatter-min', 'scatter_min', 'scatter-max',
                        'scatter_max', 'scatter_apply', 'scatter-sub', 'scatter_sub'})
@@ -150,13 +171,19 @@ class Structure:
 
 class _Info(NamedTuple):
   """What the analysis knows about one jaxpr variable."""
-  axes: tuple[frozenset, ...]  # per axis: (leaf, axis) | ('d', dec) dispatched | ('e', dec)
+  # per axis: (leaf, axis) | ('d', dec) dispatched | ('e', dec) | _INPUT_AXIS | ...
+  axes: tuple[frozenset, ...]
   data: bool = False  # depends on the function's inputs (not only on parameters)
   routed: frozenset = _EMPTY  # routing decisions it depends on
   eid: Optional[int] = None  # its values are expert ids of this decision
   iota: Optional[int] = None  # its values are the index along this axis
   deps: frozenset = _EMPTY  # leaves its values depend on
   free: frozenset = _EMPTY  # leaves reaching it other than through a router's logits
+  # (decision, id or None) pairs: its values are zero wherever that decision's expert id
+  # differs from the id (`i == 2`, a one-hot's column 2; None: an id not known here)
+  mask: frozenset = _EMPTY
+  unmask: frozenset = _EMPTY  # ... (decision, id) pairs: false only where the id is it
+  open: frozenset = _EMPTY  # leaves reaching it other than through such a mask
 
 
 def _blank(ndim: int) -> _Info:
@@ -181,7 +208,8 @@ def _join(a: _Info, b: _Info) -> _Info:
   axes = a.axes if len(a.axes) != len(b.axes) else tuple(x | y for x, y in zip(a.axes, b.axes))
   return _Info(axes, a.data or b.data, a.routed | b.routed,
                a.eid if a.eid == b.eid else None, a.iota if a.iota == b.iota else None,
-               a.deps | b.deps, a.free | b.free)
+               a.deps | b.deps, a.free | b.free, a.mask & b.mask,
+               a.unmask & b.unmask, a.open | b.open)
 
 
 def _reshape_groups(src: Sequence[int], dst: Sequence[int]
@@ -255,9 +283,11 @@ def _scan_groups(eqn: Any) -> tuple[int, int]:
 @dataclasses.dataclass
 class _Decision:
   primitive: str
-  num_experts: int
+  num_experts: int  # -1 when the expert axis cannot be told
+  ids: bool = True  # its indices are expert ids (token choice), not token positions
   routers: set[tuple[int, int]] = dataclasses.field(default_factory=set)
   deps: frozenset = _EMPTY  # leaves the selected values (the logits) depend on
+  unclear: str = ''  # why the expert axis cannot be told
 
 
 class _Analysis:
@@ -276,22 +306,52 @@ class _Analysis:
     self.cut: set[tuple[int, int]] = set()  # router axes of dispatching decisions (pass 3)
     self.out_deps: frozenset = _EMPTY  # leaves the outputs depend on (pass 3)
     self.out_free: frozenset = _EMPTY  # ... other than through the logits (pass 3)
+    self.out_open: frozenset = _EMPTY  # ... other than through expert-id masks
+    self.masked: dict[int, dict[int, set[Optional[int]]]] = {}  # leaf -> dec -> mask ids
+    self.unclear: dict[int, str] = {}  # leaf -> meets tokens of an unclear decision
 
   # -- records
 
-  def _decision(self, eqn: Any, prim: str, tokens: frozenset, length: int,
-                operand: _Info) -> Optional[int]:
-    """Registers a routing decision if the selected axis carries parameter axes."""
-    params = _params_of(tokens)
-    if not params or operand.eid is not None:
-      return None
+  def _decision(self, eqn: Any, prim: str, operand: _Info, axis: int,
+                shape: Sequence[int]) -> tuple[Optional[int], bool]:
+    """Registers a routing decision selecting along `axis` of `operand`, if any.
+
+    Returns the decision and whether its indices are expert ids. The expert axis is the
+    one a router's parameter produces (its kernel's output axis) and no input's axis
+    reaches. Token choice selects along it. Expert choice selects along the token axis
+    (an input's axis, or no parameter's) while another axis is the expert axis: its
+    indices are token positions, grouped by that axis.
+    """
+    if operand.eid is not None:
+      return None, False
+
+    def clean(a: int) -> bool:
+      return bool(_params_of(operand.axes[a])) and _INPUT_AXIS not in operand.axes[a]
+
+    others = [a for a in range(len(shape)) if a != axis and clean(a) and shape[a] > 1]
+    unclear = ''
+    if clean(axis):
+      expert, ids = axis, True
+    elif len(others) == 1:
+      expert, ids = others[0], False
+    elif others:
+      expert, ids = None, False
+      unclear = (f'axes {_axis_list(others)} of its operand all come from parameters and '
+                 'none from the inputs: which one indexes the experts cannot be told')
+    elif _params_of(operand.axes[axis]):  # the logits also take input data (noise)
+      expert, ids = axis, True
+    else:
+      return None, False
     key = id(eqn)
     if key not in self.decisions:
-      self.decisions[key] = _Decision(prim, length)
+      self.decisions[key] = _Decision(prim, shape[expert] if expert is not None else -1,
+                                      ids, unclear=unclear)
       self.order.append(key)
-    self.decisions[key].routers.update(params)
-    self.decisions[key].deps = self.decisions[key].deps | operand.deps
-    return self.order.index(key)
+    d = self.decisions[key]
+    for a in ([expert] if expert is not None else others):
+      d.routers.update(_params_of(operand.axes[a]))
+    d.deps = d.deps | operand.deps
+    return self.order.index(key), d.ids  # as first read (a loop's later passes add axes)
 
   def _experts_of(self, tokens: frozenset, dispatched: bool) -> set[int]:
     """Decisions whose experts this axis indexes (with `dispatched`: or whose tokens)."""
@@ -316,6 +376,10 @@ class _Analysis:
       dec = self.latest(decs, self.shapes[leaf][axis])
       if dec is not None:
         self._bank((leaf, axis), dec, why)
+      for d in decs:  # tokens dispatched by a decision whose expert axis is unknown
+        if self.decision(d).unclear:
+          self.unclear.setdefault(leaf, f'meets the tokens {self.decision(d).primitive} '
+                                  f'dispatches, whose {self.decision(d).unclear}')
 
   def latest(self, decs: Any, num_experts: int) -> Optional[int]:
     """The last of `decs` over `num_experts` experts (None if none).
@@ -328,6 +392,30 @@ class _Analysis:
 
   def decision(self, dec: int) -> _Decision:
     return self.decisions[self.order[dec]]
+
+  def outputs(self, outs: Sequence[_Info]) -> None:
+    """Records which leaves the outputs depend on, and how."""
+    self.out_deps = frozenset().union(*(o.deps for o in outs))
+    self.out_free = frozenset().union(*(o.free for o in outs))
+    self.out_open = frozenset().union(*(o.open for o in outs))
+
+  def gated(self) -> dict[int, dict[int, set[Optional[int]]]]:
+    """Leaf -> decision -> ids: leaves whose every way to the outputs is masked by ids.
+
+    Such a leaf only acts on the tokens a decision sends to the unit of that id: one
+    unit of an unstacked bank (`for e in range(E): y += where(ids == e, f(x @ w[e]),
+    0)`, a Python list of matrices).
+    """
+    return {leaf: decs for leaf, decs in self.masked.items()
+            if leaf in self.out_deps and leaf not in self.out_open
+            and not any(t[0] == leaf for t in self.router_tokens)}
+
+  def confirmed(self) -> set[int]:
+    """The decisions that dispatch tokens to a bank or to a masked unit."""
+    found = {d for why in self.banks.values() for decs in why.values() for d in decs
+             if d is not None}
+    return found | {d for decs in self.gated().values() for d in decs
+                    if self.decision(d).num_experts > 0}
 
   def _opaque(self, prim: str, infos: Sequence[_Info]) -> None:
     for info in infos:
@@ -397,7 +485,70 @@ class _Analysis:
       if any(hot):
         free = frozenset().union(*(x.free for x, v in zip(ins, eqn.invars)
                                    if self._aligned(eqn, x, v, hot)))
-    return [o._replace(deps=deps, free=free) for o in outs]
+    mask, unmask, open_ = self._masked(eqn, ins)
+    return [o._replace(deps=deps, free=free, mask=mask, unmask=unmask, open=open_)
+            for o in outs]
+
+  def _masked(self, eqn: Any, ins: list[_Info]) -> tuple[frozenset, frozenset, frozenset]:
+    """The expert-id masks of the output and the leaves reaching it not through one.
+
+    `ids == 2` (a decision's expert ids against a constant) or column 2 of a one-hot of
+    them is zero wherever a token's unit is not unit 2; `ids != 2` is its negation. A
+    product with a mask (`mul`, `dot_general`), the case a `select_n` by one takes for
+    unit 2, or case 2 of a `select_n` by the ids themselves lets the other operands'
+    leaves reach the output only for those tokens: they are recorded as masked by
+    (decision, 2) and leave `open`. Returns (mask, negated mask, open).
+    """
+    prim = eqn.primitive.name
+    open_ = frozenset().union(*(x.open for x in ins))
+    mask = unmask = _EMPTY
+    if prim in ('eq', 'ne') and len(ins) == 2:
+      pairs = list(zip(ins, eqn.invars))
+      for (a, _), (b, var) in (pairs, pairs[::-1]):
+        if a.eid is not None and b.eid is None and b.iota is None and not (
+            b.data or b.routed or b.deps or any(b.axes)):
+          value = var.val if isinstance(var, jex_core.Literal) else None
+          found = frozenset({(a.eid, int(value) if value is not None and np.ndim(value) == 0
+                              else None)})
+          mask, unmask = (found, _EMPTY) if prim == 'eq' else (_EMPTY, found)
+    elif prim == 'not':
+      mask, unmask = ins[0].unmask, ins[0].mask
+    elif prim == 'slice':  # a column of a one-hot of the ids
+      src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+      mask = ins[0].mask | frozenset(
+          (dec, start) for tokens, n, m, start in zip(ins[0].axes, src, dst,
+                                                      eqn.params['start_indices'])
+          if n > 1 and m == 1 for dec in _flags(tokens, 'e'))
+      unmask = ins[0].unmask
+    elif prim in _MASK_KEEPING:
+      mask, unmask = ins[0].mask, ins[0].unmask
+    elif prim == 'select_n' and len(ins) == 3 and (ins[0].mask or ins[0].unmask):
+      # select_n(pred, on_false, on_true): the case taken for unit 2 is masked by it.
+      unit = 2 if ins[0].mask else 1
+      other = ins[3 - unit]
+      if not (other.deps or other.data):  # zero (a constant) for the other units
+        mask = (ins[0].mask or ins[0].unmask) | ins[unit].mask
+      open_ = ins[0].open | other.open
+      self._mask_leaves(ins[0].mask or ins[0].unmask, [ins[unit]])
+    elif prim == 'select_n' and ins[0].eid is not None:  # `select_n(ids, *per_unit)`
+      open_ = ins[0].open
+      for unit, x in enumerate(ins[1:]):
+        self._mask_leaves(frozenset({(ins[0].eid, unit)}), [x])
+    elif prim in ('mul', 'and', 'dot_general'):
+      mask = frozenset().union(*(x.mask for x in ins))
+      gates = [i for i, x in enumerate(ins) if x.mask]
+      if gates:
+        open_ = frozenset().union(*(ins[i].open for i in gates))
+        self._mask_leaves(frozenset().union(*(ins[i].mask for i in gates)),
+                          [x for i, x in enumerate(ins) if i not in gates])
+    return mask, unmask, open_
+
+  def _mask_leaves(self, masks: frozenset, gated: Sequence[_Info]) -> None:
+    """The leaves reaching `gated` not through a mask now reach on through `masks`."""
+    for dec, value in masks:
+      for x in gated:
+        for leaf in x.open:
+          self.masked.setdefault(leaf, {}).setdefault(dec, set()).add(value)
 
   def _aligned(self, eqn: Any, x: _Info, var: Any, hot: list[bool]) -> bool:
     """Whether operand `var` supplies a non-trivial output axis flagged in `hot`."""
@@ -642,21 +793,20 @@ class _Analysis:
     prim = eqn.primitive.name
     if prim in ('argmax', 'argmin') and len(drop) == 1:
       (axis,) = drop
-      dec = self._decision(eqn, prim, x.axes[axis], _shape(eqn.invars[0])[axis], x)
+      dec, ids = self._decision(eqn, prim, x, axis, _shape(eqn.invars[0]))
       if dec is not None:
-        return [_Info(axes, x.data, x.routed | {dec}, dec)]
+        return [_Info(axes, x.data, x.routed | {dec}, dec if ids else None)]
     return [_Info(axes, x.data, x.routed)]
 
   def _select(self, eqn: Any, ins: list[_Info], axis: int) -> list[_Info]:
     """top_k-like: values and indices of the best `k` along `axis`."""
     x = ins[0]
     axes = tuple(_EMPTY if i == axis else a for i, a in enumerate(x.axes))
-    n = _shape(eqn.invars[0])[axis]
-    dec = self._decision(eqn, eqn.primitive.name, x.axes[axis], n, x)
+    dec, ids = self._decision(eqn, eqn.primitive.name, x, axis, _shape(eqn.invars[0]))
     if dec is None:
       return [_Info(axes, x.data, x.routed) for _ in eqn.outvars]
     routed = x.routed | {dec}
-    return [_Info(axes, x.data, routed), _Info(axes, x.data, routed, dec)]
+    return [_Info(axes, x.data, routed), _Info(axes, x.data, routed, dec if ids else None)]
 
   def _top_k(self, eqn: Any, ins: list[_Info]) -> list[_Info]:
     ndim = len(_shape(eqn.invars[0]))
@@ -672,15 +822,14 @@ class _Analysis:
     axes = [frozenset().union(*(x.axes[ax] for x in ins)) if ax != dim else _EMPTY
             for ax in range(len(ins[0].axes))]
     keys = ins[:nkeys]
-    n = _shape(eqn.invars[0])[dim]
-    dec = None
+    dec, ids = None, False
     for k in keys:
-      dec = self._decision(eqn, 'sort', k.axes[dim], n, k)
+      dec, ids = self._decision(eqn, 'sort', k, dim, _shape(eqn.invars[0]))
       if dec is not None:
         break
     if dec is not None:  # argsort of the logits: the permutation holds expert ids
       routed = routed | {dec}
-      return [_Info(tuple(axes), data, routed, dec if x.iota == dim else None)
+      return [_Info(tuple(axes), data, routed, dec if ids and x.iota == dim else None)
               for x in ins]
     keyed = frozenset().union(*(k.routed for k in keys))
     if keyed:  # sorting by routed keys (expert ids) dispatches along `dim`
@@ -834,7 +983,8 @@ class _Analysis:
       got = self.run(jaxpr, ops, consts)
       outs = got if outs is None else [_join(a, b) for a, b in zip(outs, got)]
     return [o._replace(data=o.data or index.data, routed=o.routed | index.routed,
-                       deps=o.deps | index.deps, free=o.free | index.free)
+                       deps=o.deps | index.deps, free=o.free | index.free,
+                       open=o.open | index.open)
             for o in outs or []]
 
 
@@ -929,9 +1079,11 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
   closed = jax.make_jaxpr(traced)(*[_abstract(leaves[i]) for i in pidx],
                                   *[_abstract(arg_flat[i]) for i in aidx])
   jaxpr = closed.jaxpr
+  one = [frozenset({k}) for k in range(len(pidx))]
   infos = [_Info(tuple(frozenset({(k, a)}) for a in range(len(shapes[k]))),
-                 deps=frozenset({k}), free=frozenset({k})) for k in range(len(pidx))]
-  infos += [_Info(_blank(len(_shape(v))).axes, data=True) for v in jaxpr.invars[len(pidx):]]
+                 deps=one[k], free=one[k], open=one[k]) for k in range(len(pidx))]
+  infos += [_Info(tuple(frozenset({_INPUT_AXIS}) for _ in _shape(v)), data=True)
+            for v in jaxpr.invars[len(pidx):]]
 
   analysis = _Analysis(shapes)
   analysis.run(jaxpr, infos, closed.consts)  # first pass: the decisions and routers
@@ -939,16 +1091,14 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
     for token in analysis.decisions[key].routers:
       analysis.router_tokens.setdefault(token, set()).add(dec)
   analysis.banks.clear()
-  analysis.run(jaxpr, infos, closed.consts)  # second pass: the logits index experts
-  confirmed = {d for why in analysis.banks.values() for decs in why.values() for d in decs}
+  outs = analysis.run(jaxpr, infos, closed.consts)  # second pass: the logits index experts
+  analysis.outputs(outs)
+  confirmed = analysis.confirmed()
   analysis.cut = {t for t, decs in analysis.router_tokens.items() if decs & confirmed}
   if analysis.cut:  # third pass: which leaves reach the outputs other than via the logits
     analysis.banks.clear()
     outs = analysis.run(jaxpr, infos, closed.consts)
-  else:
-    outs = []
-  analysis.out_deps = frozenset().union(*(o.deps for o in outs))
-  analysis.out_free = frozenset().union(*(o.free for o in outs))
+    analysis.outputs(outs)
 
   read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex_core.Literal)}
   read |= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
@@ -959,8 +1109,8 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
 def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]],
             used: list[bool], treedef: Any, pidx: list[int], n_leaves: int) -> Structure:
   """Turns the analysis' findings into a tier and batch axes per leaf."""
-  confirmed = sorted({d for why in analysis.banks.values() for decs in why.values()
-                      for d in decs if d is not None})
+  confirmed = sorted(analysis.confirmed())
+  gated = analysis.gated()
   routers: dict[int, set[int]] = {}  # leaf -> confirmed decisions it routes
   candidates: dict[int, set[int]] = {}
   for dec, key in enumerate(analysis.order):
@@ -984,6 +1134,13 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
       notes.append(f'scanned over axis {_axis_list(layers)} (length '
                    f'{", ".join(str(analysis.scans[(k, a)]) for a in layers)})')
     expert_axis = None
+    # An axis all of whose pieces are taken (or taken at a loop counter) stacks
+    # separate matrices; one row read out of a table does not.
+    pieces = sorted(a for (leaf, a), got in analysis.pieces.items() if leaf == k and (
+        None in got or got >= set(range(shape[a]))))
+    units = {v for decs in gated.get(k, {}).values() for v in decs}
+    masker = analysis.decision(min(gated[k])) if units else None
+    per_unit = [a for a in pieces if masker and shape[a] == masker.num_experts]
     if k in routers:
       tier = ROUTER
       decs = sorted(routers[k])
@@ -1002,6 +1159,18 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
       if len(found) > 1:
         undecided[path] = (f'axes {_axis_list(found)} all index experts; chose axis '
                            f'{expert_axis}')
+    elif masker and (len(units) > 1 or None in units) and len(per_unit) == 1:
+      # A stacked bank applied unit by unit in a loop (`w[e]` masked by `ids == e`).
+      tier, expert_axis = EXPERTS, per_unit[0]
+      notes.insert(0, f'axis {expert_axis} (E={masker.num_experts}) taken apart into '
+                   f'units, reaching the outputs only through masks of {masker.primitive}\'s '
+                   'expert ids')
+    elif len(units) == 1 and None not in units:
+      # One unit of a bank stored as separate leaves: experts, one matrix (no expert axis).
+      tier = EXPERTS
+      d = analysis.decision(min(gated[k]))
+      notes.insert(0, f'reaches the outputs only for tokens whose {d.primitive} id is '
+                   f'{units.pop()} (one unit of E={d.num_experts})')
     else:
       tier = BACKBONE
       notes.insert(0, 'dense')
@@ -1009,15 +1178,21 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
         undecided[path] = 'fn never reads it'
       elif k in candidates:
         d = analysis.decision(min(candidates[k]))
-        undecided[path] = (f'produces the logits of {d.primitive} over {d.num_experts} '
-                           'that dispatches no parameter: not a router?')
+        if d.unclear:
+          undecided[path] = f'produces the scores of {d.primitive}, whose {d.unclear}'
+        else:
+          undecided[path] = (f'produces the logits of {d.primitive} over {d.num_experts} '
+                             'that dispatches no parameter: not a router?')
       elif k in analysis.opaque:
         undecided[path] = ('reaches ' + ', '.join(sorted(analysis.opaque[k])) +
                            ', which the analysis does not see into')
-    # An axis all of whose pieces are taken (or taken at a loop counter) stacks
-    # separate matrices; one row read out of a table does not.
-    pieces = sorted(a for (leaf, a), got in analysis.pieces.items() if leaf == k and (
-        None in got or got >= set(range(shape[a]))))
+      elif units:
+        d = analysis.decision(min(gated[k]))
+        ids = ', '.join(sorted('?' if v is None else str(v) for v in units))
+        undecided[path] = (f'reaches the outputs only through masks of {d.primitive}\'s '
+                           f'expert ids (ids {ids}): which unit it is cannot be told')
+      elif k in analysis.unclear:
+        undecided[path] = analysis.unclear[k]
     if pieces:
       notes.append(f'axis {_axis_list(pieces)} taken apart into single pieces (separate '
                    'matrices)')
@@ -1038,7 +1213,9 @@ def _decide(analysis: _Analysis, paths: list[str], shapes: list[tuple[int, ...]]
                       if dec in routers.get(k, inputs.get(k, ()))),
         experts=tuple(sorted({paths[leaf] for (leaf, _), why in analysis.banks.items()
                               if any(dec in v for v in why.values())
-                              and rows[leaf].tier == EXPERTS}))))
+                              and rows[leaf].tier == EXPERTS} |
+                             {paths[leaf] for leaf, decs in gated.items()
+                              if dec in decs and rows[leaf].tier == EXPERTS}))))
   return Structure(labels=jax.tree_util.tree_unflatten(treedef, labels),
                    batch_axes=jax.tree_util.tree_unflatten(treedef, batch_axes),
                    leaves=tuple(rows), decisions=tuple(decisions), undecided=undecided)

@@ -598,10 +598,98 @@ def two_decisions_case() -> Case:
   return Case('dict_two_routings_in_sequence', params, fn, (_tokens(11),), tiers, axes)
 
 
+def choice_case() -> Case:
+  """Expert choice: each unit picks its best C tokens (scores softmaxed over the tokens),
+  gathers them into [E, C, d] and adds its outputs back at their positions; a table of
+  positions is added to the embedding (a parameter axis on the token axis)."""
+  k = _keys(12, 4)
+  body = _bank_leaves(k)
+
+  def unit(x: jax.Array, p: Any) -> jax.Array:
+    scores = jax.nn.softmax(x @ p['q'], axis=0)  # [T, E]
+    weight, idx = jax.lax.top_k(scores.T, C)  # [E, C] token positions
+    mid = jax.nn.gelu(jnp.einsum('ecd,edf->ecf', x[idx], p['u']))
+    out = jnp.einsum('ecf,efd->ecd', mid, p['v']) * weight[..., None]
+    return x + jnp.zeros_like(x).at[idx.reshape(-1)].add(out.reshape(-1, D))
+
+  case = _plain_case('dict_scan_expert_choice_gather', 12, body, _BANK_TIERS, _BANK_AXES,
+                     unit)
+  case.params['pos'] = _normal(k[3], (B * S, D))
+  case.tiers['pos'], case.axes['pos'] = 'backbone', ()
+
+  def fn(p: Any, tokens: jax.Array) -> jax.Array:
+    x = p['tab'][tokens].reshape(-1, D) + p['pos']
+    x, _ = jax.lax.scan(lambda c, sp: (unit(c, sp), None), x, p['body'])
+    return x @ p['out']
+
+  case.fn = fn
+  return case
+
+
+def capacity_case() -> Case:
+  """Expert choice with a capacity factor (C = 2.5 T / E slots per unit, neither E nor
+  T), written with one-hot dispatch and combine tensors [E, C, T]; the bank is stored
+  with its unit axis in the middle."""
+  k = _keys(13, 3)
+  body = {'q': _normal(k[0], (N, D, E)), 'u': _normal(k[1], (N, D, E, F)),
+          'v': _normal(k[2], (N, E, F, D))}
+
+  def unit(x: jax.Array, p: Any) -> jax.Array:
+    cap = int(2.5 * x.shape[0] / E)
+    scores = jax.nn.softmax(x @ p['q'])  # over the units, as the paper writes it
+    weight, idx = jax.lax.top_k(scores.T, cap)
+    pick = jax.nn.one_hot(idx, x.shape[0])  # [E, C, T]
+    mid = jax.nn.relu(jnp.einsum('ect,td,def->ecf', pick, x, p['u']))
+    out = jnp.einsum('ecf,efd->ecd', mid, p['v'])
+    return x + jnp.einsum('ect,ec,ecd->td', pick, weight, out)
+
+  return _plain_case('dict_scan_expert_choice_capacity_onehot', 13, body, _BANK_TIERS,
+                     {**_BANK_AXES, 'u': (0, 2)}, unit)
+
+
+def _units_case(name: str, seed: int, top: int) -> Case:
+  """A bank stored as a Python list of separate matrices per unit (ports of a module
+  list), each unit's output kept for the tokens whose chosen id is its index."""
+  k = _keys(seed, 2 * E + 3)
+  params = {'tab': _normal(k[0], (V, D)), 'q': _normal(k[1], (D, E)),
+            'u': [_normal(k[2 + e], (D, F)) for e in range(E)],
+            'v': [_normal(k[2 + E + e], (F, D)) for e in range(E)],
+            'out': _normal(k[-1], (D, V))}
+
+  def fn(p: Any, tokens: jax.Array) -> jax.Array:
+    x = p['tab'][tokens].reshape(-1, D)
+    logits = x @ p['q']
+    y = jnp.zeros_like(x)
+    if top == 1:  # argmax; the unit's output where the id matches, zero elsewhere
+      ids = jnp.argmax(logits, -1)
+      score = jnp.max(jax.nn.softmax(logits), -1)
+      for e in range(E):
+        y = y + jnp.where((ids == e)[:, None], jax.nn.gelu(x @ p['u'][e]) @ p['v'][e], 0.0)
+      return (x + y * score[:, None]) @ p['out']
+    weights, idx = jax.lax.top_k(jax.nn.softmax(logits), top)  # [T, top]
+    for e in range(E):  # the weight of unit e per token: zero unless it was chosen
+      w = jnp.sum(weights * (idx == e), axis=-1)
+      y = y + (jax.nn.silu(x @ p['u'][e]) @ p['v'][e]) * w[:, None]
+    return (x + y) @ p['out']
+
+  units = {f'{n}/{e}': 'experts' for n in ('u', 'v') for e in range(E)}
+  tiers = {'tab': 'backbone', 'q': 'router', 'out': 'backbone', **units}
+  return Case(name, params, fn, (_tokens(seed),), tiers, {p: () for p in tiers})
+
+
+def units_case() -> Case:
+  return _units_case('dict_list_of_units_argmax_where', 14, 1)
+
+
+def units_top_case() -> Case:
+  return _units_case('dict_list_of_units_top_k_weighted', 15, K)
+
+
 CASES: dict[str, Callable[[], Case]] = {
     'nnx': nnx_case, 'linen': linen_case, 'ragged': ragged_case, 'nested': nested_case,
     'eqx': eqx_case}
 # One pattern of real MoE code each (one routing decision, like `CASES`).
 PATTERNS: dict[str, Callable[[], Case]] = {
     'consts': consts_case, 'kernel': kernel_case, 'ids': ids_case, 'scaled': scaled_case,
-    'pairs': pairs_case, 'split': split_case}
+    'pairs': pairs_case, 'split': split_case, 'choice': choice_case,
+    'capacity': capacity_case, 'units': units_case, 'units_top': units_top_case}

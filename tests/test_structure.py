@@ -226,6 +226,106 @@ def test_approx_max_k_router():
   assert sj.trace_structure(fn, p, X).labels == {'a': 'router', 'b': 'experts'}
 
 
+def test_expert_choice_selects_tokens_and_the_router_axis_indexes_experts():
+  def fn(p, x):
+    weight, idx = jax.lax.top_k((x @ p['a']).T, 3)  # each of the E units picks 3 tokens
+    out = jnp.einsum('ecd,edf->ecf', x[idx], p['b']) * weight[..., None]
+    return jnp.zeros((T, F)).at[idx.reshape(-1)].add(out.reshape(-1, F))
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.batch_axes == {'a': (), 'b': (0,)}
+  assert result.decisions[0].num_experts == E  # not T, the length of the selected axis
+
+
+@pytest.mark.parametrize('pick', ['argmax', 'argsort', 'per_sequence'])
+def test_expert_choice_by_argmax_argsort_or_per_sequence(pick):
+  def fn(p, x):
+    scores = x @ p['a']  # [T, E]
+    if pick == 'argmax':  # each unit's one token
+      return jnp.einsum('ed,edf->ef', x[jnp.argmax(scores, axis=0)], p['b'])
+    if pick == 'argsort':
+      return jnp.einsum('ecd,edf->ecf', x[jnp.argsort(-scores.T, axis=1)[:, :3]], p['b'])
+    xs = x.reshape(2, T // 2, D)  # each unit picks 3 tokens of each sequence
+    _, idx = jax.lax.top_k(jnp.einsum('bsd,de->bes', xs, p['a']), 3)  # [B, E, 3]
+    picked = jnp.take_along_axis(xs[:, None], idx[..., None], axis=2)  # [B, E, 3, D]
+    return jnp.einsum('becd,edf->becf', picked, p['b'])
+
+  p = {'a': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'b': 'experts'}
+  assert result.batch_axes == {'a': (), 'b': (0,)}
+  assert result.decisions[0].num_experts == E
+
+
+def test_expert_choice_whose_expert_axis_cannot_be_told_is_reported():
+  def fn(p, x):
+    scores = jnp.einsum('td,gde->get', x, p['a'])  # [G, E, T]: two parameter axes
+    _, idx = jax.lax.top_k(scores, 3)  # token positions [G, E, 3]
+    return jnp.einsum('gecd,edf->gecf', x[idx], p['b'])
+
+  p = {'a': jnp.zeros((2, D, E)), 'b': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'backbone', 'b': 'backbone'}
+  assert result.decisions == ()
+  assert set(result.undecided) == {'a', 'b'}
+  assert all('cannot be told' in why for why in result.undecided.values())
+
+
+def test_units_in_a_list_masked_by_expert_id():
+  def fn(p, x):
+    ids = jnp.argmax(x @ p['a'], -1)
+    y = sum(jnp.where((ids == e)[:, None], x @ w, 0.0) for e, w in enumerate(p['w']))
+    y = y + sum(jnp.where((ids != e)[:, None], 0.0, x @ w) for e, w in enumerate(p['n']))
+    outs = [x @ w for w in p['s']]  # case e of a select by the ids
+    return y + jax.lax.select_n(jnp.broadcast_to(ids[:, None], outs[0].shape), *outs)
+
+  units = [jnp.zeros((D, F)) for _ in range(E)]
+  p = {'a': jnp.zeros((D, E)), 'w': units, 'n': units, 's': units}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', **{k: ['experts'] * E for k in 'wns'}}
+  assert result.batch_axes == {'a': (), **{k: [()] * E for k in 'wns'}}
+  assert set(result.decisions[0].experts) == {f'{k}/{e}' for k in 'wns' for e in range(E)}
+  assert result.undecided == {}
+  assert 'id is 2' in result.by_path['w/2'].evidence
+  assert 'id is 2' in result.by_path['n/2'].evidence
+  assert 'id is 2' in result.by_path['s/2'].evidence
+
+
+def test_units_masked_by_a_one_hot_column_and_in_a_loop_over_a_stack():
+  def fn(p, x):
+    weights, idx = jax.lax.top_k(jax.nn.softmax(x @ p['a']), 2)
+    hot = jnp.einsum('tke,tk->te', jax.nn.one_hot(idx, E), weights)
+    y = sum((x @ w) * hot[:, e:e + 1] for e, w in enumerate(p['w']))
+    ids = idx[:, 0]
+
+    def body(e, acc):  # the stacked bank, one unit per step
+      unit = jax.lax.dynamic_index_in_dim(p['s'], e, keepdims=False)
+      return acc + jnp.where((ids == e)[:, None], x @ unit, 0.0)
+
+    return jax.lax.fori_loop(0, E, body, y)
+
+  p = {'a': jnp.zeros((D, E)), 'w': [jnp.zeros((D, F)) for _ in range(E)],
+       's': jnp.zeros((E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'w': ['experts'] * E, 's': 'experts'}
+  assert result.batch_axes == {'a': (), 'w': [()] * E, 's': (0,)}
+
+
+def test_a_matrix_masked_for_every_unit_is_reported():
+  def fn(p, x):
+    ids = jnp.argmax(x @ p['a'], -1)
+    own = sum(jnp.where((ids == e)[:, None], x @ w, 0.0) for e, w in enumerate(p['w']))
+    return own + sum(jnp.where((ids == e)[:, None], x @ p['c'], 0.0) for e in range(E))
+
+  p = {'a': jnp.zeros((D, E)), 'w': [jnp.zeros((D, F)) for _ in range(E)],
+       'c': jnp.zeros((D, F))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'router', 'w': ['experts'] * E, 'c': 'backbone'}
+  assert 'ids 0, 1, 2, 3' in result.undecided['c']
+
+
 def test_dynamic_slice_by_expert_id():
   def fn(p, x):
     e = jnp.argmax(jnp.sum(x @ p['a'], 0))  # one expert for the whole batch

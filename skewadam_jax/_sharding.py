@@ -229,8 +229,9 @@ def state_shardings(
   Example:
     >>> import jax, jax.numpy as jnp, skewadam_jax as sj
     >>> from jax.sharding import PartitionSpec as P
-    >>> params = {'experts': {'w1': jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)}}
-    >>> specs = {'experts': {'w1': P('expert', None, 'data')}}
+    >>> params = {'router': jax.ShapeDtypeStruct((16, 8), jnp.float32),
+    ...           'experts': {'w1': jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)}}
+    >>> specs = {'router': P(), 'experts': {'w1': P('expert', None, 'data')}}
     >>> shardings = sj.state_shardings(sj.skewadam(1e-3), params, specs)
     >>> shardings[0].v_row['experts']['w1']
     P('expert', None)

@@ -25,7 +25,9 @@ whatever the container (dicts, lists, Flax states and boxes, Equinox modules, cu
 pytree nodes); a leaf that is not an array (an Equinox module's function or integer
 field) is static, as `eqx.filter(model, eqx.is_array)` has it: it gets the default
 tier and takes no part in the structure. Leaves the labeler is unsure about are
-reported (a warning, or a `ValueError` when `strict`).
+reported (a warning, or a `ValueError` when `strict`); so are numbered units of identical
+shapes beside a router candidate (`_stacks.numbered_units`), an expert bank kept as
+separate leaves or unrolled dense layers, which shapes cannot tell apart.
 """
 
 from __future__ import annotations

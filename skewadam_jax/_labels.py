@@ -25,7 +25,9 @@ whatever the container (dicts, lists, Flax states and boxes, Equinox modules, cu
 pytree nodes); a leaf that is not an array (an Equinox module's function or integer
 field) is static, as `eqx.filter(model, eqx.is_array)` has it: it gets the default
 tier and takes no part in the structure. Leaves the labeler is unsure about are
-reported (a warning, or a `ValueError` when `strict`).
+reported (a warning, or a `ValueError` when `strict`); so are numbered units of identical
+shapes beside a router candidate (`_stacks.numbered_units`), an expert bank kept as
+separate leaves or unrolled dense layers, which shapes cannot tell apart.
 """
 
 from __future__ import annotations
@@ -296,10 +298,86 @@ def _rule_hint(path: str, tier: str) -> str:
   return f"sj.make_labeler([({path!r}, {tier!r})])"
 
 
+def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]:
+  """Numbered units of identical shapes beside a router candidate [d, n] that nothing
+  decided (`_stacks.numbered_units`), one line per router: an expert bank kept as
+  separate leaves and its router, or unrolled dense layers beside an unrelated kernel.
+  Shapes cannot tell these apart, so the leaves keep the default tier and are reported
+  (with the rules that settle it either way); sets each reported leaf's `note`."""
+
+  def free(leaf: _paths.Leaf) -> bool:
+    # Decided by no rule and no structure. A dense name (`mlp`, `ffn`) does not rule a bank
+    # out, as it does not for a stacked bank (MoE blocks are called `mlp` too); as in
+    # `_structure`, well-formed axis names without an expert axis do.
+    return leaf.source in ('default', 'dense rule') and not (
+        use_axis_names and leaf.names_well_formed)
+
+  found = _stacks.numbered_units(
+      [x.segs for x in leaves], [x.shape if x.is_array else None for x in leaves],
+      [x.scan for x in leaves], [free(x) for x in leaves],
+      [free(x) or x.tier == 'router' for x in leaves])
+  by_routers: dict[tuple[int, ...], list[_stacks.Units]] = {}
+  for family in found:
+    by_routers.setdefault(tuple(family.routers), []).append(family)
+  lines = []
+  for routers, families in by_routers.items():
+    n = len(families[0].units)
+    members = [i for f in families for unit in f.units for i in unit]
+    patterns = [_unit_pattern(leaves, f) for f in families]
+    area = len(families[0].prefix) - (0 if families[0].stem else 1)
+    inside = set(members)
+    router_rules, along = [], []
+    for r in routers:
+      # As a router the structure finds: a kernel in a module of its own brings the
+      # module (its bias, its scale); a bare kernel beside the units a bias [n] only.
+      path, module = leaves[r].path, leaves[r].segs[:-1]
+      own = len(leaves[r].segs) == area + 2
+      router_rules.append(path.rsplit('/', 1)[0] if own else path)
+      along += [j for j, x in enumerate(leaves)
+                if x.segs[:-1] == module and free(x) and (own or x.core == (n,))
+                and j not in inside and j not in routers and j not in along]
+    tier = leaves[members[0]].tier
+    label = [(p, 'experts') for p in patterns] + [(p, 'router') for p in router_rules]
+    confirm = [(p, tier) for p in patterns]
+    shown = ', '.join(f'{leaves[r].path} {list(leaves[r].shape)}' for r in routers)
+    if along:
+      shown += f" (with {', '.join(leaves[j].path for j in along)})"
+    sets = f'{len(families)} sets of {n}' if len(families) > 1 else f'{n}'
+    for i in members:
+      leaves[i].note = (f'UNSURE: one of {n} numbered units beside router candidate '
+                        f'{leaves[routers[0]].path}: an expert or a dense layer (see the '
+                        'warning)')
+    for r in [*routers, *along]:
+      leaves[r].note = (f"UNSURE: a router candidate [d, {n}] (or its bias) beside {n} "
+                        f"numbered units {', '.join(patterns)} (see the warning)")
+    lines.append(
+        f"{', '.join(leaves[i].path for i in members)}: {sets} numbered units "
+        f"({', '.join(patterns)}) of identical structure and shapes beside {shown}, which "
+        f'maps a width of theirs to {n} outputs: an expert bank kept as separate leaves '
+        f'and its router, or {n} dense layers beside an unrelated matrix, which no name '
+        f'tells apart; left in {tier!r} by default; if it is a bank, label it: '
+        f'sj.make_labeler({label!r}), or confirm it: sj.make_labeler({confirm!r})')
+  return lines
+
+
+def _unit_pattern(leaves: list[_paths.Leaf], family: _stacks.Units) -> str:
+  """A rule pattern for the units of `family`, as written in the paths: `u/*` for a
+  list, `ffn/unit_*` for `<stem>_<i>` modules, `ffn/[0-9]*` for digit keys among
+  others."""
+  k = len(family.prefix)
+  written = leaves[family.units[0][0]].path.split('/')
+  module = written[:k]
+  if family.stem:
+    return '/'.join(module + [written[k].rsplit('_', 1)[0] + '_*'])
+  inside = {i for unit in family.units for i in unit}
+  alone = all(i in inside for i, x in enumerate(leaves) if x.segs[:k] == family.prefix)
+  return '/'.join(module + ['*' if alone and module else '[0-9]*'])
+
+
 def _issues(leaves: list[_paths.Leaf], use_axis_names: bool,
             found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
-  lines = []
+  lines = _unit_findings(leaves, use_axis_names)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:
       leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'

@@ -34,6 +34,13 @@ vectors and matrices too, which the rank-3 report of the defaults does not name)
 Two readable positions (R == E laid out alike, or two lengths no other leaf explains)
 are reported: which axis stacks the layers and which indexes the experts is then a
 guess, and the report names the paths and the rule that settles it.
+
+A bank may also be kept as separate leaves, one unit per expert (`numbered_units`):
+n >= 2 sibling units indexed 0..n-1 (list, tuple or `nnx.List` indices, dict keys '0',
+'1', ..., or `<stem>_0 .. <stem>_{n-1}`), of identical structure and shapes, beside a
+router candidate that maps a width all their matrices share to n outputs. Unrolled dense
+layers beside an unrelated [d, n] kernel look exactly the same, so that reading is only
+ever reported, never labelled.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ from skewadam_jax import _paths
 SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
 # Router leaves that do not carry the expert count on a kernel axis.
 NOT_KERNEL = ('bias', 'scale')
+# One numbered unit: a list / tuple / `nnx.List` index or dict key ('0', '1', ...), or
+# `<stem>_<i>` with any stem (no leading zeros, so that each index is one unit).
+_NUMBERED_UNIT = re.compile(r'^(?:(?P<stem>.+?)_)?(?P<idx>0|[1-9][0-9]*)$')
 
 
 @dataclasses.dataclass
@@ -60,6 +70,16 @@ class Group:
   kind: str  # 'stack' | 'bank'
   named: bool  # a module name says it is a stack
   routers: list[int] = dataclasses.field(default_factory=list)  # candidates beside a bank
+
+
+@dataclasses.dataclass
+class Units:
+  """Sibling units indexed 0..n-1 of identical structure and shapes (an expert bank kept
+  as separate leaves, or unrolled dense layers) beside router candidates [d, n]."""
+  prefix: tuple[str, ...]  # lowercase segments of the module holding the units
+  stem: str  # the units' `<stem>_` ('' for indices and digit keys)
+  units: list[list[int]]  # each unit's leaves, unit 0 first
+  routers: list[int]  # kernels beside them mapping their shared width to n outputs
 
 
 @dataclasses.dataclass
@@ -265,6 +285,75 @@ def _lone_finding(prefix: tuple[str, ...], members: list[int],
           "say which: batch_axes=lambda p: sj.moe_batch_axes(p, rules=[('"
           f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
           f"param_labels=sj.make_labeler([('{where}', 'experts')])")
+
+
+def numbered_units(segs: Sequence[tuple[str, ...]],
+                   shapes: Sequence[Optional[tuple[int, ...]]], scan: Sequence[set[int]],
+                   free: Sequence[bool], router_ok: Sequence[bool]) -> list[Units]:
+  """Families of numbered units that may be an expert bank kept as separate leaves.
+
+  A family is the units `<module>/<i>` (or `<module>/<stem>_<i>`), i = 0..n-1 without
+  gaps, n >= 2, whose leaves are all `free`, are matrices or vectors (one matrix at
+  least: a leaf with more axes is reported as rank >= 3 anyway) and are the same from
+  unit to unit (paths below the unit, shapes, scanned axes). It is kept only if a
+  router candidate sits beside it, as `_router_candidates` looks for one beside a
+  stacked bank: a `router_ok` kernel outside the units, under the module that holds the
+  list (`q` beside `u/0..`) or the units (`ffn/sel` beside `ffn/unit_0..`), a bare leaf
+  there or the kernel of a module of its own, whose core is [d, n] ([n, d] for a
+  PyTorch `weight`) with d an axis length that every matrix of a unit has.
+
+  Args:
+    segs: each leaf's lowercase normalised path segments.
+    shapes: each leaf's shape, or None for a leaf that is not an array.
+    scan: each leaf's scanned (layer) axes.
+    free: whether nothing (no rule, name or structure) decided the leaf's tier.
+    router_ok: whether the leaf may be a router (free, or labelled `router`).
+
+  Returns:
+    The families found, outer modules first.
+  """
+  families: dict[tuple[tuple[str, ...], str], dict[int, list[int]]] = {}
+  for i, s in enumerate(segs):
+    if shapes[i] is None:
+      continue
+    for k, seg in enumerate(s):
+      m = _NUMBERED_UNIT.match(seg)
+      if m:
+        key = (s[:k], m['stem'] or '')
+        families.setdefault(key, {}).setdefault(int(m['idx']), []).append(i)
+  found = []
+  for (prefix, stem), by_index in sorted(families.items(), key=lambda kv: len(kv[0][0])):
+    n = len(by_index)
+    if n < 2 or sorted(by_index) != list(range(n)):
+      continue
+    units = [by_index[e] for e in range(n)]
+    members = [i for unit in units for i in unit]
+    if not all(free[i] for i in members):
+      continue
+    # Each unit's leaves by their path below the unit, shape and scanned axes.
+    signatures = [sorted((segs[i][len(prefix) + 1:], shapes[i], tuple(sorted(scan[i])))
+                         for i in unit) for unit in units]
+    if any(sig != signatures[0] for sig in signatures[1:]):
+      continue
+    cores = [_paths.core_shape(shapes[i], scan[i]) for i in units[0]]
+    if any(len(c) not in (1, 2) for c in cores) or all(len(c) != 2 for c in cores):
+      continue
+    widths = set.intersection(*(set(c) for c in cores if len(c) == 2))
+    # The module beside which a router sits: the list's parent (`q` beside `u/0..`), or
+    # the parent of `<stem>_<i>` units, which take the place of the list.
+    area = prefix if stem else prefix[:-1]
+    inside = set(members)
+    routers = []
+    for j, s in enumerate(segs):
+      if (j in inside or shapes[j] is None or not router_ok[j] or s[:len(area)] != area
+          or len(s) > len(area) + 2 or _vector(s)):
+        continue
+      core = _paths.core_shape(shapes[j], scan[j])
+      if router_count(core, s[-1] == 'weight', widths) == n:
+        routers.append(j)
+    if routers:
+      found.append(Units(prefix, stem, units, routers))
+  return found
 
 
 def _vector(segs: tuple[str, ...]) -> bool:

@@ -1,5 +1,6 @@
 """The MoE labeler on real Flax models and on MaxText/Flaxformer/HF-style trees."""
 
+import re
 import warnings
 
 import jax
@@ -353,3 +354,113 @@ def test_a_bare_router_kernel_brings_only_its_bias_into_the_router_tier():
   assert labels['blk'] == {'sel': 'router', 'sel_b': 'router', 'scale': 'backbone',
                            'w': 'backbone', 'experts': {'w_in': 'experts',
                                                         'w_out': 'experts'}}
+
+
+# ---------------------------------------------------------------------------- numbered units
+
+
+def _unsure(tree, **kwargs):
+  """Labels by path, and the text of every unsure-label warning."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    labels = _labels_by_path_of(sj.moe_param_labels(tree, **kwargs))
+  text = '\n'.join(str(w.message) for w in caught
+                   if issubclass(w.category, _labels.UnsureLabelWarning))
+  return labels, text
+
+
+def _named_in(path, text):
+  return re.search(rf'(^|\W){re.escape(path)}\W', text) is not None
+
+
+_UNIT_CONTAINERS = {'list': list, 'tuple': tuple, 'nnx_list': nnx.List,
+                    'digit_keys': lambda xs: {str(i): x for i, x in enumerate(xs)}}
+
+
+@pytest.mark.parametrize('container', sorted(_UNIT_CONTAINERS))
+def test_a_list_of_units_beside_a_router_is_reported(container):
+  """E separate matrices [d, f] (and [f, d]), one per unit, beside a kernel [d, E]: an
+  expert bank kept as separate leaves and its router, or E dense layers beside an
+  unrelated matrix. No name says which, so the labels stay lossless (backbone) and the
+  warning names every unit and the router candidate, with the rules that settle it."""
+  z, d, e, f, v = jnp.zeros, mm.D, mm.E, mm.F, mm.V
+  make = _UNIT_CONTAINERS[container]
+  tree = {'tab': z((v, d)), 'q': z((d, e)), 'u': make([z((d, f)) for _ in range(e)]),
+          'v': make([z((f, d)) for _ in range(e)]), 'out': z((d, v))}
+  labels, text = _unsure(tree)
+  units = [f'{n}/{i}' for n in ('u', 'v') for i in range(e)]
+  assert set(labels) == {'tab', 'q', 'out', *units}
+  assert set(labels.values()) == {'backbone'}
+  assert [p for p in units + ['q'] if not _named_in(p, text)] == []
+  assert not _named_in('tab', text) and not _named_in('out', text)
+  rule = "[('u/*', 'experts'), ('v/*', 'experts'), ('q', 'router')]"
+  assert f'sj.make_labeler({rule})' in text
+  with pytest.raises(ValueError, match='numbered units'):
+    sj.make_labeler(strict=True)(tree)
+  with pytest.warns(_labels.UnsureLabelWarning):
+    rows = {r.path: r.note for r in sj.label_table(sj.skewadam(1e-3), tree)}
+  assert {p for p, note in rows.items() if note.startswith('UNSURE')} == {*units, 'q'}
+  with pytest.warns(_labels.UnsureLabelWarning):  # the labels moe_batch_axes reads
+    axes = sj.moe_batch_axes(tree)
+  assert jax.tree.leaves(axes, is_leaf=lambda x: x == ()) == [()] * 11  # one matrix each
+  # The suggested rules settle it either way, quietly.
+  fixed = sj.make_labeler([('u/*', 'experts'), ('v/*', 'experts'), ('q', 'router')],
+                          strict=True)
+  assert _labels_by_path_of(fixed(tree)) == {
+      **{p: 'experts' for p in units}, 'q': 'router', 'tab': 'backbone', 'out': 'backbone'}
+  sj.make_labeler([('u/*', 'backbone'), ('v/*', 'backbone')], strict=True)(tree)
+
+
+def test_numbered_unit_modules_beside_a_router_module_are_reported():
+  """`<stem>_0 .. <stem>_{E-1}` modules of two matrices and a bias each, beside a router
+  kernel [d, E] in a module of its own (with its bias [E]): the units, the kernel and
+  its bias are named, and the rule labels the module."""
+  z, d, e, f = jnp.zeros, mm.D, mm.E, mm.F
+  cell = lambda: {'a': z((d, f)), 'a_b': z(f), 'b': z((f, d))}  # noqa: E731
+  tree = {'tab': z((mm.V, d)),
+          'blk': {'pre': z(d), 'sel': {'kernel': z((d, e)), 'bias': z(e)},
+                  **{f'Cell_{i}': cell() for i in range(e)}}}
+  labels, text = _unsure(tree)
+  assert set(labels.values()) == {'backbone'}
+  units = [f'blk/Cell_{i}/{n}' for i in range(e) for n in ('a', 'a_b', 'b')]
+  assert [p for p in units + ['blk/sel/kernel', 'blk/sel/bias'] if not _named_in(p, text)
+          ] == []
+  assert not _named_in('blk/pre', text)
+  rules = [('blk/Cell_*', 'experts'), ('blk/sel', 'router')]
+  assert f'sj.make_labeler({rules!r})' in text
+  got = _labels_by_path_of(sj.make_labeler(rules, strict=True)(tree))
+  assert {p for p, t in got.items() if t == 'experts'} == set(units)
+  assert {p for p, t in got.items() if t == 'router'} == {'blk/sel/kernel', 'blk/sel/bias'}
+
+
+def _dense_layers(form, n):
+  """A table [V, d], n dense layers of identical structure (`blocks_<i>` or a list) and
+  a head [d, V]."""
+  z, d = jnp.zeros, mm.D
+  layers = [{'w_in': z((d, mm.F)), 'b_in': z(mm.F), 'w_out': z((mm.F, d)), 'scale': z(d)}
+            for _ in range(n)]
+  body = ({f'blocks_{i}': x for i, x in enumerate(layers)} if form == 'stem'
+          else {'blocks': layers})
+  return {'tab': z((mm.V, d)), **body, 'head': z((d, mm.V))}
+
+
+@pytest.mark.parametrize('form', ['stem', 'list'])
+def test_numbered_dense_layers_without_a_router_shaped_leaf_are_quiet(form):
+  """A guard (the labeler before numbered units were read passes it too): no leaf maps
+  the layers' width to their count, so nothing is reported and all is backbone."""
+  tree = _dense_layers(form, 3)
+  labels, text = _unsure(tree)
+  assert text == ''
+  assert set(labels.values()) == {'backbone'}
+
+
+def test_a_dense_kernel_mapping_the_width_to_the_layer_count_changes_no_tier():
+  """The dense layers beside a classifier [d, 3] with 3 layers: it reads as their
+  router, so it and the layers are reported, but nothing becomes experts or router, and
+  confirming the layers dense settles it."""
+  tree = {**_dense_layers('stem', 3), 'cls': jnp.zeros((mm.D, 3))}
+  labels, text = _unsure(tree)
+  assert set(labels.values()) == {'backbone'}
+  assert _named_in('cls', text) and _named_in('blocks_2/w_out', text)
+  assert "sj.make_labeler([('blocks_*', 'backbone')])" in text
+  sj.make_labeler([('blocks_*', 'backbone')], strict=True)(tree)

@@ -295,13 +295,11 @@ def _default_labels_and_axes(params: Any) -> tuple[dict[str, tuple[str, tuple[in
 TRACED_CASES = ('eqx', 'linen', 'nested', 'nnx', 'ragged')
 # One small model per pattern the tracer follows (Pallas-like grouped matmuls, ids from
 # jnp.repeat, scaled router inputs, stacked pairs, ...): the default must not be silent
-# on them either.
-PATTERN_CASES = ('capacity', 'choice', 'consts', 'ids', 'kernel', 'pairs', 'scaled', 'split')
-# A bank stored as a Python list of separate [D, F] matrices, one per unit, selected by
-# masks of the routing ids: only the computation tells these leaves (and the [D, E]
-# router) from dense ones, and the shape-only default says nothing about them (all
-# backbone, unwarned). The traced test (test_structure) covers them; the default does not.
-NO_DEFAULT_CASES = ('units', 'units_top')
+# on them either. On the list models (`units`, `units_top`: a bank stored as Python lists
+# of separate [D, F] and [F, D] matrices beside a [D, E] router) it can only report: shapes
+# do not tell those units from dense layers, only the computation does.
+PATTERN_CASES = ('capacity', 'choice', 'consts', 'ids', 'kernel', 'pairs', 'scaled', 'split',
+                 'units', 'units_top')
 
 
 @pytest.fixture(scope='module', params=TRACED_CASES + PATTERN_CASES)
@@ -309,7 +307,7 @@ def traced_case(request):
   pytest.importorskip('equinox')
   import structure_models  # noqa: PLC0415
   assert sorted(structure_models.CASES) == list(TRACED_CASES)
-  assert sorted(structure_models.PATTERNS) == sorted(PATTERN_CASES + NO_DEFAULT_CASES)
+  assert sorted(structure_models.PATTERNS) == sorted(PATTERN_CASES)
   cases = {**structure_models.CASES, **structure_models.PATTERNS}
   return cases[request.param]()
 

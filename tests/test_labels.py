@@ -373,8 +373,10 @@ def _named_in(path, text):
   return re.search(rf'(^|\W){re.escape(path)}\W', text) is not None
 
 
-_UNIT_CONTAINERS = {'list': list, 'tuple': tuple, 'nnx_list': nnx.List,
+_UNIT_CONTAINERS = {'list': list, 'tuple': tuple,
                     'digit_keys': lambda xs: {str(i): x for i, x in enumerate(xs)}}
+if hasattr(nnx, 'List'):  # Flax >= 0.11
+  _UNIT_CONTAINERS['nnx_list'] = nnx.List
 
 
 @pytest.mark.parametrize('container', sorted(_UNIT_CONTAINERS))

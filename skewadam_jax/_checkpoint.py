@@ -88,13 +88,17 @@ def _dtype(x: Any) -> Optional[np.dtype]:
     return None
 
 
-def _leaves(tree: Any) -> dict[tuple[str, ...], _Leaf]:
-  """`{path segments: _Leaf}` of every array-like leaf (None and empty nodes dropped)."""
-  # Orbax wraps the tree: StepMetadata.item_metadata -> TreeMetadata.tree -> the tree.
+def _unwrap(tree: Any) -> Any:
+  """The tree Orbax wraps: StepMetadata.item_metadata -> TreeMetadata.tree -> the tree."""
   for attr in ('item_metadata', 'tree'):
     if not isinstance(tree, (dict, list, tuple)) and hasattr(tree, attr):
       tree = getattr(tree, attr)
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array_like)
+  return tree
+
+
+def _leaves(tree: Any) -> dict[tuple[str, ...], _Leaf]:
+  """`{path segments: _Leaf}` of every array-like leaf (None and empty nodes dropped)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(_unwrap(tree), is_leaf=_is_array_like)
   out = {}
   for path, leaf in flat:
     segments = _paths.path_segments(path)
@@ -265,14 +269,6 @@ def _layout_key(segments: tuple[str, ...]) -> tuple[str, ...]:
     out.append(segments[i])
     i += 1
   return tuple(out)
-
-
-def _unwrap(tree: Any) -> Any:
-  """Orbax's `StepMetadata.item_metadata` and `TreeMetadata.tree`, unwrapped."""
-  for attr in ('item_metadata', 'tree'):
-    if not isinstance(tree, (dict, list, tuple)) and hasattr(tree, attr):
-      tree = getattr(tree, attr)
-  return tree
 
 
 def _by_layout_key(tree: Any) -> dict[tuple[str, ...], list[tuple[tuple[str, ...], Any]]]:

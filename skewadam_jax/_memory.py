@@ -306,7 +306,7 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tiere
     tiers = params if tiers is None else tiers  # label_table(params, tiers, ...)
     tx, params = _alias.skewadam(1.0, tiers=tiers, param_labels=param_labels,
                                  batch_axes=batch_axes), tx
-  trace = _trace.trace_init(tx, params)
+  trace = _trace.trace_init(tx, params, tiers=True)
   if not trace.tiers:
     raise ValueError('`tx` contains no sj.skewadam: `sj.label_table(tx, params)` shows '
                      'what a skewadam gives each parameter. For any optimizer\'s state '

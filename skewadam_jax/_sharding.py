@@ -237,6 +237,12 @@ def state_shardings(
     P('expert', None)
   """
   _checks.check_transform(tx, params, 'sj.state_shardings(tx, params, param_shardings)')
+  return _shardings_and_state(tx, params, param_shardings, mesh)[0]
+
+
+def _shardings_and_state(tx: optax.GradientTransformation, params: Any, param_shardings: Any,
+                         mesh: Optional[Mesh]) -> tuple[Any, Any]:
+  """`state_shardings` and the abstract state, from one trace of `tx.init`."""
   specs, named_mesh, others = _flat_param_specs(params, param_shardings)
   mesh = mesh if mesh is not None else named_mesh
   replicated = _replicated_sharding(others, specs, mesh)
@@ -253,10 +259,10 @@ def state_shardings(
       out.append(_replicated(leaf.leaf))
   specs_tree = jax.tree.structure(trace.state).unflatten(out)
   if replicated is not None:  # all on the same devices, whole: the same sharding
-    return jax.tree.map(lambda spec: replicated, specs_tree)
+    return jax.tree.map(lambda spec: replicated, specs_tree), trace.state
   if mesh is None:
-    return specs_tree
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs_tree)
+    return specs_tree, trace.state
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs_tree), trace.state
 
 
 def sharded_abstract_state(
@@ -282,8 +288,7 @@ def sharded_abstract_state(
     A pytree of `jax.ShapeDtypeStruct`s with the structure of `tx.init(params)`.
   """
   _checks.check_transform(tx, params, 'sj.sharded_abstract_state(tx, params, param_shardings)')
-  shardings = state_shardings(tx, params, param_shardings, mesh=mesh)
-  abstract = jax.eval_shape(tx.init, params)
+  shardings, abstract = _shardings_and_state(tx, params, param_shardings, mesh)
   if not all(isinstance(s, Sharding) for s in jax.tree.leaves(shardings)):
     raise ValueError('`sharded_abstract_state` needs a mesh: pass NamedShardings or `mesh=`.')
   return jax.tree.map(

@@ -61,7 +61,7 @@ class Trace:
   state: Any  # the abstract state (`jax.ShapeDtypeStruct` leaves, Flax boxes kept)
   leaves: tuple[StateLeaf, ...]  # one per leaf of `state`, in `jax.tree.leaves` order
   paths: tuple[str, ...]  # the parameters' normalised paths, in flattening order
-  tiers: Mapping[str, TierRecord]  # parameter path -> what a skewadam gave it
+  tiers: Mapping[str, TierRecord]  # parameter path -> what a skewadam gave it (tiers=True)
 
 
 _TIERS: contextvars.ContextVar[Optional[dict[str, TierRecord]]] = contextvars.ContextVar(
@@ -103,18 +103,23 @@ def record_tiers(params: Any, tiers: Mapping[str, _tiered.Tier], param_labels: A
     table.setdefault(path, TierRecord(label, estimator, tuple(ax), note))
 
 
-def trace_init(tx: optax.GradientTransformation, params: Any) -> Trace:
-  """`jax.eval_shape(tx.init, params)`, with what made each state leaf (see module doc)."""
+def trace_init(tx: optax.GradientTransformation, params: Any, *, tiers: bool = False
+               ) -> Trace:
+  """`jax.eval_shape(tx.init, params)`, with what made each state leaf (see module doc);
+  with `tiers`, also what `skewadam` gives each parameter (`Trace.tiers`; only the label
+  table reads it, and it labels the params once more for the notes)."""
   recorded: list[Any] = []
-  tiers: dict[str, TierRecord] = {}
+  found: dict[str, TierRecord] = {}
 
   def init(p: Any) -> Any:
-    with _second_moment.recording_specs() as entries, _recording_tiers() as table:
+    table: dict[str, TierRecord] = {}
+    with _second_moment.recording_specs() as entries, (
+        _recording_tiers() if tiers else contextlib.nullcontext(table)) as table:
       state = tx.init(p)
     for leaf in jax.tree.leaves(state):
       entry = entries.get(id(leaf))
       recorded.append(entry[1:] if entry is not None and entry[0] is leaf else None)
-    tiers.update(table)
+    found.update(table)
     return state
 
   state = jax.eval_shape(init, params)
@@ -127,4 +132,4 @@ def trace_init(tx: optax.GradientTransformation, params: Any) -> Trace:
       leaves.append(StateLeaf(leaf, index[entry[0]], (entry[1], entry[2])))
     else:
       leaves.append(StateLeaf(leaf, param, None))
-  return Trace(state, tuple(leaves), paths, tiers)
+  return Trace(state, tuple(leaves), paths, found)

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from skewadam_jax import _paths
+from skewadam_jax import _tree
 
 # Field names of the optimizer states that mark where a parameter's path starts.
 STATE_FIELDS = ('count', 'mu', 'nu', 'v', 'v_row', 'v_col')
@@ -50,7 +51,7 @@ class _Leaf:
 
   @property
   def name(self) -> str:
-    return '/'.join(self.path) or '<root>'
+    return _paths.join(self.path)
 
   @property
   def tier(self) -> Optional[str]:
@@ -77,10 +78,6 @@ class _Leaf:
     return '/'.join(self.path[field[0] + 1:])
 
 
-def _is_array_like(x: Any) -> bool:
-  return hasattr(x, 'shape') and hasattr(x, 'dtype')
-
-
 def _dtype(x: Any) -> Optional[np.dtype]:
   try:
     return np.dtype(x)
@@ -96,13 +93,18 @@ def _unwrap(tree: Any) -> Any:
   return tree
 
 
+def _with_segments(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+  """`(path segments, leaf)` of every leaf of the (unwrapped) tree, arrays whole; None
+  and empty nodes have no leaves."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(_unwrap(tree), is_leaf=_tree.is_array_like)
+  return [(_paths.path_segments(path), leaf) for path, leaf in flat]
+
+
 def _leaves(tree: Any) -> dict[tuple[str, ...], _Leaf]:
-  """`{path segments: _Leaf}` of every array-like leaf (None and empty nodes dropped)."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(_unwrap(tree), is_leaf=_is_array_like)
+  """`{path segments: _Leaf}` of every leaf (None and empty nodes dropped)."""
   out = {}
-  for path, leaf in flat:
-    segments = _paths.path_segments(path)
-    if _is_array_like(leaf):
+  for segments, leaf in _with_segments(tree):
+    if _tree.is_array_like(leaf):
       out[segments] = _Leaf(segments, tuple(int(n) for n in leaf.shape), _dtype(leaf.dtype))
     else:  # a Python scalar or string saved as is
       out[segments] = _Leaf(segments, None, None)
@@ -273,11 +275,9 @@ def _layout_key(segments: tuple[str, ...]) -> tuple[str, ...]:
 
 def _by_layout_key(tree: Any) -> dict[tuple[str, ...], list[tuple[tuple[str, ...], Any]]]:
   """`{layout key: [(segments, leaf), ...]}` of every array-like leaf of `tree`."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array_like)
   out: dict[tuple[str, ...], list[tuple[tuple[str, ...], Any]]] = {}
-  for path, leaf in flat:
-    if _is_array_like(leaf):
-      segments = _paths.path_segments(path)
+  for segments, leaf in _with_segments(tree):
+    if _tree.is_array_like(leaf):
       out.setdefault(_layout_key(segments), []).append((segments, leaf))
   return out
 
@@ -312,7 +312,7 @@ def _layout_pairs(target: Any, saved: Any, call: str) -> dict[tuple[str, ...], A
 
 def _same_in_another_layout(target: Any, metadata: Any) -> bool:
   try:
-    _layout_pairs(target, _unwrap(metadata), '')
+    _layout_pairs(target, metadata, '')
   except ValueError:
     return False
   return True
@@ -353,19 +353,19 @@ def saved_layout_target(target: Any, metadata: Any) -> Any:
     >>> restore_onto.inner_states['experts'].inner_state.v_row['moe']['experts'].shape
     (4, 8)
   """
-  pairs = _layout_pairs(target, _unwrap(metadata), 'sj.saved_layout_target(target, metadata)')
+  pairs = _layout_pairs(target, metadata, 'sj.saved_layout_target(target, metadata)')
   ours = _by_layout_key(target)
   by_segments = {segments: ours[key][0][1] for key, leaves in pairs.items()
                  for segments, _ in leaves}
 
   def leaf(path: Any, x: Any) -> Any:
-    if not _is_array_like(x):
+    if not _tree.is_array_like(x):
       return None
     want = by_segments[_paths.path_segments(path)]
     return jax.ShapeDtypeStruct(tuple(want.shape), want.dtype,
                                 sharding=getattr(want, 'sharding', None))
 
-  return jax.tree_util.tree_map_with_path(leaf, _unwrap(metadata), is_leaf=_is_array_like)
+  return jax.tree_util.tree_map_with_path(leaf, _unwrap(metadata), is_leaf=_tree.is_array_like)
 
 
 def relayout_state(restored: Any, target: Any) -> Any:
@@ -418,10 +418,10 @@ def relayout_state(restored: Any, target: Any) -> Any:
     values[key] = leaves[0][1]
 
   def leaf(path: Any, want: Any) -> Any:
-    if not _is_array_like(want):
+    if not _tree.is_array_like(want):
       return want
     x = values[_layout_key(_paths.path_segments(path))]
     sharding = getattr(want, 'sharding', None)
     return jax.device_put(x, sharding) if sharding is not None else jax.device_put(x)
 
-  return jax.tree_util.tree_map_with_path(leaf, target, is_leaf=_is_array_like)
+  return jax.tree_util.tree_map_with_path(leaf, target, is_leaf=_tree.is_array_like)

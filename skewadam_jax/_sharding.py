@@ -120,17 +120,11 @@ def _recorded_spec(param_spec: Any, shape: tuple[int, ...], recorded: tuple[int,
 
 def _flat_param_specs(params: Any, param_shardings: Any
                       ) -> tuple[list[Any], Optional[Mesh], list[Sharding]]:
-  """One spec per parameter leaf (a prefix tree is broadcast), the mesh, if named, and
-  the shardings that are neither NamedShardings nor specs (all fully replicated)."""
-  params_def = jax.tree_util.tree_structure(params)
-  try:
-    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), param_shardings,
-                        params, is_leaf=_is_spec)
-  except (ValueError, TypeError) as e:
-    raise ValueError('`param_shardings` must be a pytree of PartitionSpecs or '
-                     'NamedShardings with the structure of the params (or a prefix of '
-                     f'it): {e}') from None
-  flat = params_def.flatten_up_to(full)
+  """One spec per parameter leaf (matched as labels are: structure, prefix or path), the
+  mesh, if named, and the shardings that are neither NamedShardings nor specs (all fully
+  replicated)."""
+  flat = _paths.per_leaf(params, param_shardings, 'param_shardings', _is_spec,
+                         'PartitionSpecs, NamedShardings or shardings (or None)')
   meshes = {s.mesh for s in flat if isinstance(s, NamedSharding)}
   if len(meshes) > 1:
     raise ValueError('`param_shardings` use more than one mesh.')
@@ -145,15 +139,11 @@ def _flat_param_specs(params: Any, param_shardings: Any
       # state leaf of the parameter is whole on the same devices.
       specs.append(PartitionSpec())
       others.append(s)
-    elif isinstance(s, Sharding):
+    else:  # a Sharding (`_is_spec` let no other value through)
       raise TypeError(
           f'`param_shardings` of {path} is a {type(s).__name__} that splits the parameter; '
           'the state can follow only a NamedSharding (or a PartitionSpec with `mesh=`), '
           'or a fully replicated or single-device sharding.')
-    else:
-      raise TypeError('`param_shardings` leaves must be PartitionSpec, NamedSharding, '
-                      'another jax.sharding.Sharding (e.g. SingleDeviceSharding) or None, got '
-                      f'{type(s).__name__}.')
   return specs, (meshes.pop() if meshes else None), others
 
 

@@ -300,7 +300,7 @@ def _reshaped_clip_divisor(x: jax.Array, denom: jax.Array, num_scale: Any,
                            shape: tuple[int, ...], axis: int, group_size: int, clip: float,
                            layout: Layout) -> jax.Array:
   """`max(1, rms(u) / clip)` of `u = x * num_scale / expand(denom)` per matrix of
-  `layout`, when groups divide the pooled `axis` (one of its matrix axes).
+  `layout`, when groups divide the pooled `axis` (a matrix axis or a batch axis).
 
   The expansion is a broadcast over a reshape `[..., n / s, s, ...]`, which XLA keeps
   inside the reduction, so nothing of the leaf's size is materialised.
@@ -310,10 +310,13 @@ def _reshaped_clip_divisor(x: jax.Array, denom: jax.Array, num_scale: Any,
   grouped = x.reshape(shape[:axis] + (n // s, s) + shape[axis + 1:]).astype(jnp.float32)
   u = grouped * num_scale / jnp.expand_dims(denom, axis + 1)
   if len(shape) >= 2:
-    # The matrix axes in the reshaped array, where `axis` is split in two.
-    split = sorted([a + (a > axis) for a in layout.matrix] + [axis + 1])
-    ms = jnp.sum(u * u, axis=tuple(split)) / layout.matrix_size(shape)
-    ms = jnp.expand_dims(ms, layout.matrix)
+    # The matrix axes in the reshaped array, where `axis` is split in two (both halves
+    # summed if it is a matrix axis, both kept and merged back if it is a batch axis).
+    split = sorted([a + (a > axis) for a in layout.matrix]
+                   + ([axis + 1] if axis in layout.matrix else []))
+    kept = tuple(1 if a in layout.matrix else shape[a] for a in range(len(shape)))
+    ms = (jnp.sum(u * u, axis=tuple(split), keepdims=True).reshape(kept)
+          / layout.matrix_size(shape))
   else:
     ms = jnp.mean(u * u)
   return jnp.maximum(1.0, jnp.sqrt(ms) / clip)
@@ -401,7 +404,7 @@ class Grouped(_second_moment.SecondMoment):
       # the statistic itself gives it, no pass over the leaf is needed.
       return _pooled_clip_divisor(pooled_sq, denom, step.num_scale, shape, ax, s, step.clip,
                                   layout)
-    if inside and shape[ax] % s == 0:
+    if shape[ax] % s == 0:
       return _reshaped_clip_divisor(x, denom, step.num_scale, shape, ax, s, step.clip,
                                     layout)
     # u recomputed in the reduction (expand is a gather there: a full-size temporary).

@@ -108,21 +108,16 @@ class Tier:
       tiers use 0.95 beside Adam's 0.9).
 
   Memory: every estimator keeps the step free of full-size temporaries, in any layout
-  of batch axes, except a `'grouped'` tier with a clip in two cases, where the clip
-  recomputes the update through a gather. XLA temporaries of `jit(update + apply)`
-  measured on XLA:CPU for a float32 [256, 4, 256] leaf (1,048,576 B), the same with
-  `batch_axes=(1,)` or the default layout:
-
-  * groups that do not divide the pooled axis (groups of 3 along the last axis):
-    1,402,948 B (1.34x the leaf) with momentum, 1,056,768 B (1.01x) without;
-  * pooling along a batch axis, whose groups span several matrices: 1,180,676 B
-    (1.13x) in groups of 8 along the first axis of the default layout, 1,572,932 B
-    (1.50x) in groups of 2 along the batch axis of `batch_axes=(1,)`.
-
-  Pooling in dividing groups along a matrix axis costs nothing of the leaf's size
-  (131,140 B with `batch_axes=(1,)` in groups of 8 along the last axis, 132,100 B in
-  the default layout); nor does any case without the clip. Pool along a dividing
-  matrix axis, or drop the clip, where memory is tight.
+  of batch axes, except a `'grouped'` tier with a clip whose groups do not divide the
+  pooled axis, where the clip recomputes the update through a gather. XLA temporaries
+  of `jit(update + apply)` measured on XLA:CPU for a float32 [256, 4, 256] leaf
+  (1,048,576 B): in groups of 3 along the last axis, 1,403,908 B (1.34x the leaf) with
+  momentum, 1,056,768 B (1.01x) without. Dividing groups cost nothing of the leaf's
+  size, along a matrix axis or a batch axis: 131,140 B with `batch_axes=(1,)` in groups
+  of 8 along the last axis, 132,100 B in groups of 8 along the first axis of the default
+  layout, 524,356 B (the size of the pooled statistic) in groups of 2 along the batch
+  axis of `batch_axes=(1,)`; nor does any case without the clip. Pool in dividing
+  groups, or drop the clip, where memory is tight.
   """
   momentum: bool = True
   mu_dtype: Any = jnp.float32

@@ -332,3 +332,31 @@ def test_a_weight_decay_flag_that_is_not_a_bool_is_a_type_error_naming_it():
   with pytest.warns(DeprecationWarning), pytest.raises(
       TypeError, match=r'`weight_decay` \(now `apply_weight_decay`\) must be a bool, got 1'):
     sj.Tier(weight_decay=1)
+
+
+@pytest.mark.parametrize('momentum', [True, False])
+def test_grouped_tier_pooled_along_a_batch_axis_matches_the_reference(momentum):
+  """Groups along the expert axis, the clip per expert matrix: as the NumPy reference
+  over 6 steps, and, with the batch axis moved (`batch_axes=(1,)`), the same updates."""
+  shape, s = (4, 6, 10), 2
+  rng = np.random.default_rng(3)
+  grads = [rng.standard_normal(shape).astype(np.float32) * (1 + 3 * (i % 2))
+           for i in range(6)]
+  tier = sj.Tier(second_moment='grouped', momentum=momentum, group_size=s, group_axis=0,
+                 clip_threshold=0.5)
+  ref = RefTier(shape, momentum=momentum, second_moment='grouped', clip=0.5, group_size=s,
+                group_axis=0)
+  tx = sj.scale_by_tiered_adam(tier=tier)
+  moved = sj.scale_by_tiered_adam(tier=tier.replace(group_axis=1),
+                                  batch_axes={'w': (1,)})
+  state = tx.init({'w': jnp.zeros(shape)})
+  state_moved = moved.init({'w': jnp.zeros((6, 4, 10))})
+  for g in grads:
+    u, state = jax.jit(tx.update)({'w': jnp.asarray(g)}, state)
+    u_moved, state_moved = jax.jit(moved.update)(
+        {'w': jnp.asarray(g.transpose(1, 0, 2))}, state_moved)
+    want = ref.update(g)
+    np.testing.assert_allclose(np.asarray(u['w']), want, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(u_moved['w']).transpose(1, 0, 2), want,
+                               rtol=2e-5, atol=1e-7)
+  assert ref.clipped > 0

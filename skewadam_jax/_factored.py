@@ -65,7 +65,7 @@ def zero_row_col(p: jax.Array, rows: tuple[int, ...], col: int
 def is_factored(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                 ) -> bool:
   """Whether a leaf gets a factored second moment (two or more non-batch axes)."""
-  return len(_second_moment.matrix_axes(len(shape), batch_axes)) >= 2
+  return len(Layout.of(len(shape), batch_axes).matrix) >= 2
 
 
 def _rows_in_v_row(layout: Layout) -> tuple[int, ...]:

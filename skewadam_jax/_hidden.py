@@ -68,7 +68,7 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
   vocab = _vocab_size([x.shape for x in leaves if _named_embedding(x.segs)])
   out = []
   for leaf, label, ax in zip(leaves, flat_labels, axes):
-    matrix = _second_moment.matrix_axes(len(leaf.shape), tuple(ax))
+    matrix = _second_moment.Layout.of(len(leaf.shape), tuple(ax)).matrix
     hidden = (label == _labels.DEFAULT_TIER and len(matrix) >= 2
               and not _named_embedding(leaf.segs)
               and (vocab is None or vocab not in [leaf.shape[a] for a in matrix]))

@@ -135,8 +135,9 @@ class Orthogonal(_second_moment.SecondMoment):
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> _second_moment.SecondMoment:
-    batch_axes = _second_moment.Layout.of(len(shape), batch_axes).batch
-    if len(_second_moment.matrix_axes(len(shape), batch_axes)) < 2:
+    layout = _second_moment.Layout.of(len(shape), batch_axes)
+    batch_axes = layout.batch
+    if len(layout.matrix) < 2:
       if self.fallback is None:
         return _NoMatrix(tuple(shape), batch_axes)
       return self.fallback.for_leaf(tuple(shape), batch_axes)

@@ -111,12 +111,6 @@ def default_batch_axes(ndim: int) -> tuple[int, ...]:
   return tuple(range(max(ndim - 2, 0)))
 
 
-def matrix_axes(ndim: int, batch_axes: Optional[tuple[int, ...]]) -> tuple[int, ...]:
-  """The axes that are not batch axes (the matrix, or vector, of each batch slice)."""
-  batch = default_batch_axes(ndim) if batch_axes is None else batch_axes
-  return tuple(a for a in range(ndim) if a not in batch)
-
-
 def normalise_batch_axes(batch_axes: Any, shape: tuple[int, ...], path: str
                          ) -> tuple[int, ...]:
   """`batch_axes` checked against `shape`, as sorted non-negative ints.

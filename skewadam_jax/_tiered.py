@@ -341,8 +341,10 @@ def abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...
 
 
 def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str, Any],
-               batch_axes: Any) -> None:
-  """Raises unless gradient `g` fits its leaf's state (and parameter, if given).
+               batch_axes: Any
+               ) -> tuple[_second_moment.SecondMoment, dict[str, Any]]:
+  """Raises unless gradient `g` fits its leaf's state (and parameter, if given); else
+  returns the leaf's estimator and the statistics it keeps, which the update uses.
 
   Shapes are static, so the checks run once, at trace time; without them a gradient
   of another shape (e.g. [256, 1] for a [256, 64] parameter) would broadcast against
@@ -363,6 +365,7 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
     _checks.check_grad_fits_stats(path, shape, present, None, e)
     raise
   _checks.check_grad_fits_stats(path, shape, present, expected)
+  return estimator, present
 
 
 def _param_leaves(leaves: _per_leaf.Leaves, params: Any) -> list[Any]:
@@ -375,19 +378,21 @@ def _param_leaves(leaves: _per_leaf.Leaves, params: Any) -> list[Any]:
   return [None] * len(leaves.paths)
 
 
-def update_leaf(tier: Tier, b1: Any, b2: Any, eps: Any, path: str, g: jax.Array,
-                row: Mapping[str, Any], count: jax.Array, bc1: jax.Array, bc2: jax.Array,
-                batch_axes: Any) -> tuple[jax.Array, dict[str, Any]]:
-  """A leaf's update under `tier` and its new state (field name -> array)."""
+def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
+                eps: Any, path: str, g: jax.Array, mu: Optional[jax.Array],
+                present: Mapping[str, Any], t: jax.Array, bc2: jax.Array
+                ) -> tuple[jax.Array, dict[str, Any]]:
+  """A leaf's update under `tier` (`t` the step count after it, as a float32) and its
+  new state (field name -> array)."""
   # Every full-size array below is either an input, a state output or computed inside
   # the one fused pass that also applies the update: statistics come from reductions
   # over the stored arrays, and nothing of the leaf's size is materialised in between.
-  mu = row.get('mu')
+  bc1 = _per_leaf.bias_correction(b1, t)
   if tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
   if tier.nesterov:
     # optax's Nesterov form: the momentum corrected one step ahead, plus the gradient.
-    bc1_next = 1.0 - jnp.asarray(b1, jnp.float32) ** (count + 1).astype(jnp.float32)
+    bc1_next = _per_leaf.bias_correction(b1, t + 1.0)
     x = b1 / bc1_next * mu.astype(jnp.float32) + (1.0 - b1) / bc1 * g.astype(jnp.float32)
     num_scale = 1.0
   elif tier.momentum:
@@ -402,8 +407,6 @@ def update_leaf(tier: Tier, b1: Any, b2: Any, eps: Any, path: str, g: jax.Array,
   step = _second_moment.Step(
       b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
       clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
-  estimator = leaf_estimator(tuple(g.shape), tier, batch_axes, path)
-  present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
   u, new = estimator.update(g, present, x, step)
   _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
   return u.astype(g.dtype), ({'mu': mu, **new} if tier.momentum else dict(new))
@@ -446,15 +449,13 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     leaf_tiers, axes = setup(updates, leaves)
     rows = leaves.read(state, FIELDS)
     count, t = _per_leaf.next_count(state.count)
-    b1s = {id(tier): b1 if tier.b1 is None else tier.b1 for tier in leaf_tiers}
-    bc1 = {key: _per_leaf.bias_correction(b, t) for key, b in b1s.items()}
     bc2 = _per_leaf.bias_correction(b2, t)
     out = []
     for tier, path, g, p, row, a in zip(leaf_tiers, leaves.paths, leaves.arrays,
                                         _param_leaves(leaves, params), rows, axes):
-      check_grad(tier, path, g, p, row, a)
-      out.append(update_leaf(tier, b1s[id(tier)], b2, eps, path, g, row, count,
-                             bc1[id(tier)], bc2, a))
+      estimator, present = check_grad(tier, path, g, p, row, a)
+      out.append(update_leaf(tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps,
+                             path, g, row.get('mu'), present, t, bc2))
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
         [new for _, new in out], FIELDS, specs_of(leaves, leaf_tiers, axes)))
 

@@ -163,26 +163,25 @@ def skewadam(
   )
 
 
-def _keywords_after(n: int, example: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """Makes a function whose arguments after the `n`-th are keyword-only say so clearly
-  when called with more positional arguments (instead of Python's bare count)."""
+def _keyword_only_after_eps(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` (`adampm`) saying clearly why a fifth positional argument is refused, instead
+  of Python's bare count: it meant `weight_decay` before the arguments after `eps`
+  became keyword-only, in `optax.adamw`'s order."""
 
-  def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-      if len(args) > n:
-        raise TypeError(
-            f'{fn.__name__}() takes at most {n} positional arguments ({len(args)} given): '
-            'the arguments after `eps` are keyword-only, in the order of optax.adamw '
-            '(eps_root, mu_dtype, weight_decay, mask), since a fifth positional argument '
-            f'meant `weight_decay` before; write e.g. {example}.')
-      return fn(*args, **kwargs)
-    return call
+  @functools.wraps(fn)
+  def call(*args: Any, **kwargs: Any) -> Any:
+    if len(args) > 4:
+      raise TypeError(
+          f'{fn.__name__}() takes at most 4 positional arguments ({len(args)} given): '
+          'the arguments after `eps` are keyword-only, in the order of optax.adamw '
+          '(eps_root, mu_dtype, weight_decay, mask), since a fifth positional argument '
+          'meant `weight_decay` before; write e.g. sj.adampm(1e-3, weight_decay=0.1).')
+    return fn(*args, **kwargs)
 
-  return wrap
+  return call
 
 
-@_keywords_after(4, 'sj.adampm(1e-3, weight_decay=0.1)')
+@_keyword_only_after_eps
 def adampm(
     learning_rate: optax.ScalarOrSchedule,
     b1: jax.typing.ArrayLike = 0.9,

@@ -343,14 +343,9 @@ def numbered_units(segs: Sequence[tuple[str, ...]],
     # the parent of `<stem>_<i>` units, which take the place of the list.
     area = prefix if stem else prefix[:-1]
     inside = set(members)
-    routers = []
-    for j, s in enumerate(segs):
-      if (j in inside or shapes[j] is None or not router_ok[j] or s[:len(area)] != area
-          or len(s) > len(area) + 2 or _vector(s)):
-        continue
-      core = _paths.core_shape(shapes[j], scan[j])
-      if router_count(core, s[-1] == 'weight', widths) == n:
-        routers.append(j)
+    near = [j for j in range(len(segs)) if j not in inside and shapes[j] is not None
+            and router_ok[j] and len(segs[j]) <= len(area) + 2]
+    routers = _kernels_mapping(area, n, widths, near, segs, shapes, scan)
     if routers:
       found.append(Units(prefix, stem, units, routers))
   return found
@@ -374,17 +369,19 @@ def _router_candidates(area: tuple[str, ...], n: int, dims: set[int], outside: l
                        shapes: Sequence[Optional[tuple[int, ...]]], scan: list[set[int]],
                        tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]
                        ) -> list[int]:
-  """Kernels under the module `area` that map an axis of a bank's leaves (`dims`) to
-  `n` outputs: [d, n] (or [n, d] for a PyTorch `weight`)."""
-  out = []
-  for i in outside:
-    if segs[i][:len(area)] != area or any(s in segs[i][-1] for s in NOT_KERNEL):
-      continue
-    if decided_by_name[i] and tiers[i] != 'router':
-      continue
-    if tiers[i] not in (None, 'router'):
-      continue
-    core = _paths.core_shape(shapes[i], scan[i])
-    if router_count(core, segs[i][-1] == 'weight', dims) == n:
-      out.append(i)
-  return out
+  """Of the leaves `outside` a bank that no name or rule gave another tier, the kernels
+  under the module `area` that map an axis of the bank's leaves (`dims`) to `n` outputs."""
+  eligible = [i for i in outside if tiers[i] in (None, 'router')
+              and not (decided_by_name[i] and tiers[i] != 'router')]
+  return _kernels_mapping(area, n, dims, eligible, segs, shapes, scan)
+
+
+def _kernels_mapping(area: tuple[str, ...], n: int, dims: set[int], candidates: list[int],
+                     segs: Sequence[tuple[str, ...]],
+                     shapes: Sequence[Optional[tuple[int, ...]]], scan: list[set[int]]
+                     ) -> list[int]:
+  """Of `candidates`, the kernels under the module `area` that map an axis length in
+  `dims` to `n` outputs: [d, n] (or [n, d] for a PyTorch `weight`)."""
+  return [i for i in candidates if segs[i][:len(area)] == area and not _vector(segs[i])
+          and router_count(_paths.core_shape(shapes[i], scan[i]), segs[i][-1] == 'weight',
+                           dims) == n]

@@ -25,7 +25,6 @@ import optax
 from skewadam_jax import _alias
 from skewadam_jax import _checks
 from skewadam_jax import _labels
-from skewadam_jax import _paths
 from skewadam_jax import _tiered
 from skewadam_jax import _trace
 from skewadam_jax import _tree
@@ -38,7 +37,7 @@ def leaf_bytes(x: Any, floating_only: bool = False) -> int:
   0-d array, as optax treats it); 0 otherwise (and for non-float leaves if
   `floating_only`)."""
   x = _tree.abstract_leaf(x)
-  if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
+  if not _tree.is_array_like(x):
     return 0
   dtype = jnp.dtype(x.dtype)
   if floating_only and not jnp.issubdtype(dtype, jnp.inexact):
@@ -49,7 +48,7 @@ def leaf_bytes(x: Any, floating_only: bool = False) -> int:
 def is_counter(x: Any) -> bool:
   """Whether a state leaf is a step counter: a 0-d integer or boolean array."""
   x = _tree.abstract_leaf(x)
-  if not (hasattr(x, 'shape') and hasattr(x, 'dtype')) or tuple(x.shape):
+  if not _tree.is_array_like(x) or tuple(x.shape):
     return False
   dtype = jnp.dtype(x.dtype)
   return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
@@ -316,7 +315,7 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tiere
     if s.param is not None and not is_counter(s.leaf):
       state[s.param] += leaf_bytes(s.leaf)
   rows = []
-  for i, (path, p) in enumerate(_paths.flatten_with_paths(params)[0]):
+  for i, (path, p) in enumerate(zip(trace.paths, jax.tree.leaves(params))):
     p = _tree.abstract_leaf(p)  # Python scalars: 0-d arrays, as in optax
     got = trace.tiers.get(path)
     rows.append(_labels.LeafReport(

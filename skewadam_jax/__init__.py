@@ -11,67 +11,67 @@ underscore are internal.
 """
 
 # The two optimizers, drop-ins for optax.adamw.
-from skewadam_jax._alias import adampm
-from skewadam_jax._alias import skewadam
+from skewadam_jax.transforms.alias import adampm
+from skewadam_jax.transforms.alias import skewadam
 # Their scaling rules, to compose in your own optax chain.
-from skewadam_jax._adampm import scale_by_grouped_second_moment
-from skewadam_jax._tiered import scale_by_tiered_adam
-from skewadam_jax._tiered import scale_by_tiers
+from skewadam_jax.transforms.adampm import scale_by_grouped_second_moment
+from skewadam_jax.transforms.tiers import scale_by_tiered_adam
+from skewadam_jax.transforms.tiers import scale_by_tiers
 # Tier configuration: the published policy, ours, and how to change or add a tier.
-from skewadam_jax._tiered import PUBLISHED_TIERS
-from skewadam_jax._tiered import ADAM_EPS_TIERS
-from skewadam_jax._tiered import ADAM_ROUTER_TIERS
-from skewadam_jax._tiered import MUON_TIERS
-from skewadam_jax._tiered import Tier
+from skewadam_jax.transforms.tiers import PUBLISHED_TIERS
+from skewadam_jax.transforms.tiers import ADAM_EPS_TIERS
+from skewadam_jax.transforms.tiers import ADAM_ROUTER_TIERS
+from skewadam_jax.transforms.tiers import MUON_TIERS
+from skewadam_jax.transforms.tiers import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
-from skewadam_jax._adampm import GroupedSecondMomentState
-from skewadam_jax._tiered import TieredAdamState
+from skewadam_jax.transforms.adampm import GroupedSecondMomentState
+from skewadam_jax.transforms.tiers import TieredAdamState
 # Second-moment estimators: the built-in ones, and the interface of your own.
-from skewadam_jax._exact import Exact
-from skewadam_jax._factored import Factored
-from skewadam_jax._grouped import Grouped
-from skewadam_jax._orthogonal import Orthogonal
-from skewadam_jax._second_moment import SecondMoment
-from skewadam_jax._second_moment import Step
+from skewadam_jax.estimators.exact import Exact
+from skewadam_jax.estimators.factored import Factored
+from skewadam_jax.estimators.grouped import Grouped
+from skewadam_jax.estimators.orthogonal import Orthogonal
+from skewadam_jax.estimators.base import SecondMoment
+from skewadam_jax.estimators.base import Step
 # Labels: which tier each parameter gets, and your own rules.
-from skewadam_jax._labels import DEFAULT_RULES
-from skewadam_jax._labels import DENSE_RULES
-from skewadam_jax._labels import Labeler
-from skewadam_jax._labels import make_labeler
-from skewadam_jax._labels import moe_param_labels
-from skewadam_jax._hidden import hidden_param_labels
+from skewadam_jax.structure.labels import DEFAULT_RULES
+from skewadam_jax.structure.labels import DENSE_RULES
+from skewadam_jax.structure.labels import Labeler
+from skewadam_jax.structure.labels import make_labeler
+from skewadam_jax.structure.labels import moe_param_labels
+from skewadam_jax.structure.hidden import hidden_param_labels
 # The warning a guessed label raises (filter it, or make it an error, by its class).
-from skewadam_jax._labels import UnsureLabelWarning
+from skewadam_jax.structure.labels import UnsureLabelWarning
 # Batch axes: which axes of each leaf index independent matrices (experts, layers).
-from skewadam_jax._axes import moe_batch_axes
+from skewadam_jax.structure.axes import moe_batch_axes
 # Structure from the computation: tiers and batch axes read from the traced forward pass.
-from skewadam_jax._structure import Structure
-from skewadam_jax._structure import trace_structure
+from skewadam_jax.structure.traced import Structure
+from skewadam_jax.structure.traced import trace_structure
 # Reports: what each leaf gets and costs, read from the optimizer before training
 # (nothing is allocated).
-from skewadam_jax._labels import LeafReport
-from skewadam_jax._memory import format_label_table
-from skewadam_jax._memory import label_table
-from skewadam_jax._memory import LabelTable
-from skewadam_jax._memory import memory_report
-from skewadam_jax._memory import MemoryReport
-from skewadam_jax._memory import TierMemory
-from skewadam_jax._memory import optimizer_state_bytes
-from skewadam_jax._memory import state_bytes
+from skewadam_jax.structure.labels import LeafReport
+from skewadam_jax.reports.memory import format_label_table
+from skewadam_jax.reports.memory import label_table
+from skewadam_jax.reports.memory import LabelTable
+from skewadam_jax.reports.memory import memory_report
+from skewadam_jax.reports.memory import MemoryReport
+from skewadam_jax.reports.memory import TierMemory
+from skewadam_jax.reports.memory import optimizer_state_bytes
+from skewadam_jax.reports.memory import state_bytes
 # Sharding: the state's shardings from the params' (jit out_shardings, Orbax targets).
-from skewadam_jax._sharding import sharded_abstract_state
-from skewadam_jax._sharding import state_shardings
+from skewadam_jax.integrations.sharding import sharded_abstract_state
+from skewadam_jax.integrations.sharding import state_shardings
 # Checkpoints: does a saved state match the optimizer's (before restoring it)?
-from skewadam_jax._checkpoint import check_checkpoint_matches
-from skewadam_jax._checkpoint import checkpoint_mismatches
-from skewadam_jax._checkpoint import relayout_state
-from skewadam_jax._checkpoint import saved_layout_target
+from skewadam_jax.integrations.checkpoint import check_checkpoint_matches
+from skewadam_jax.integrations.checkpoint import checkpoint_mismatches
+from skewadam_jax.integrations.checkpoint import relayout_state
+from skewadam_jax.integrations.checkpoint import saved_layout_target
 # AdamPM's pooling, to analyse a second moment as AdamPM sees it.
-from skewadam_jax._grouped import expand_groups
-from skewadam_jax._grouped import groupmean
+from skewadam_jax.estimators.grouped import expand_groups
+from skewadam_jax.estimators.grouped import groupmean
 # bf16 weights: unbiased stochastic rounding of the update.
-from skewadam_jax._rounding import apply_updates_stochastic
-from skewadam_jax._rounding import stochastic_round
+from skewadam_jax.transforms.rounding import apply_updates_stochastic
+from skewadam_jax.transforms.rounding import stochastic_round
 
 __version__ = '0.1.0'
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import skewadam_jax as sj  # noqa: E402
-from skewadam_jax import _paths  # noqa: E402
+from skewadam_jax.structure import paths as _paths  # noqa: E402
 
 RECORD = ROOT / 'tests' / 'data' / 'real_trees' / 'maxtext_mixtral_scan.json'
 N_STEPS = 3

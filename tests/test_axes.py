@@ -20,10 +20,10 @@ import pytest
 from flax import nnx
 
 import skewadam_jax as sj
-from skewadam_jax import _factored
-from skewadam_jax import _labels
-from skewadam_jax import _paths
-from skewadam_jax import _tiered
+from skewadam_jax.estimators import factored as _factored
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.transforms import tiers as _tiered
 from tests.test_real_trees import _abstract
 from tests.test_real_trees import _nest
 from tests.test_real_trees import _record

@@ -21,9 +21,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import skewadam_jax as sj
-from skewadam_jax import _labels
-from skewadam_jax import _paths
-from skewadam_jax import _tree
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.core import tree as _tree
 
 eqx = pytest.importorskip('equinox')  # in the test extra; absent from the min-versions venv
 

@@ -6,7 +6,7 @@ from flax import linen as nn
 from flax import nnx
 import jax.numpy as jnp
 
-from skewadam_jax import _flax
+from skewadam_jax.structure import boxes as _flax
 
 
 def _param(**metadata):

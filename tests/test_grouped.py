@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax import _grouped
+from skewadam_jax.estimators import grouped as _grouped
 from reference import RefAdamPM, leaf_axis, ref_expand, ref_groupmean
 from trees import init_params, make_grads_fn, nest, run_optax
 

@@ -1,11 +1,22 @@
 """How the library's modules import each other, read from their source with `ast`.
 
+The package is in layers, one folder each, and a module imports only from its own
+layer or the layers below (`LAYERS`, bottom first):
+
+* `core`: pytree helpers, argument checks, XLA facts;
+* `estimators`: what a tier remembers (second-moment estimators, their geometry);
+* `structure`: what each parameter is (paths, boxes, labels, stacks, batch axes, the
+  traced analysis);
+* `transforms`: how a tier steps (`Tier`, `scale_by_tiers`, AdamPM, the aliases);
+* `reports`: what a user sees (traced `init`, label table, memory report);
+* `integrations`: sharding specs, Orbax checkpoints.
+
+Besides the layering:
+
 * every import of one library module by another is at module level (none inside a
   function, where it would hide a dependency from the reader and from this test);
 * no module reads another's private names (`_module._name`), and no `noqa: SLF001`
   silences that: what modules share is a public name of the module that owns it;
-* the batch-axes decision (`_axes`) and the path engine (`_paths`) sit below the
-  transforms they feed: neither imports `_tiered` or `_alias`, even through others;
 * the modules import each other without a cycle.
 """
 
@@ -19,12 +30,26 @@ import tokenize
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'skewadam_jax'
-SOURCES = {p.stem: p.read_text() for p in sorted(PACKAGE.glob('*.py'))}
+LAYERS = ('core', 'estimators', 'structure', 'transforms', 'reports', 'integrations')
+
+
+def _dotted(path: Path) -> str:
+  """'structure.labels' for skewadam_jax/structure/labels.py ('' for the root __init__)."""
+  parts = list(path.relative_to(PACKAGE).with_suffix('').parts)
+  if parts[-1] == '__init__':
+    parts.pop()
+  return '.'.join(parts)
+
+
+SOURCES = {_dotted(p): p.read_text() for p in sorted(PACKAGE.rglob('*.py'))}
+MODULES = sorted(name for name in SOURCES if name)
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
 
-def _imports(source: str) -> list[tuple[str, str, bool]]:
-  """(imported library module, name bound to it or '', inside a function or class)."""
+def _imports(source: str, package: str = '') -> list[tuple[str, str, bool]]:
+  """(imported library module, dotted below skewadam_jax; name bound to it or ''; inside
+  a function or class). `package` is the importing module's package, for relative
+  imports."""
   tree = ast.parse(source)
   parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
@@ -40,20 +65,26 @@ def _imports(source: str) -> list[tuple[str, str, bool]]:
     if isinstance(node, ast.ImportFrom):
       module = node.module or ''
       if node.level:  # relative: within the package
-        module = 'skewadam_jax' + ('.' + module if module else '')
-      if module == 'skewadam_jax':
-        out += [(a.name, a.asname or a.name, scoped(node)) for a in node.names]
-      elif module.startswith('skewadam_jax.'):
-        out.append((module.split('.')[1], '', scoped(node)))
+        base = ['skewadam_jax'] + [p for p in package.split('.') if p]
+        base = base[:len(base) - (node.level - 1)]
+        module = '.'.join(base + ([module] if module else []))
+      if module == 'skewadam_jax' or module.startswith('skewadam_jax.'):
+        below = module[len('skewadam_jax.'):] if module != 'skewadam_jax' else ''
+        for a in node.names:
+          name = f'{below}.{a.name}' if below else a.name
+          if name in SOURCES or not below:  # a module (or a package's name)
+            out.append((name, a.asname or a.name, scoped(node)))
+          else:  # a name from a module
+            out.append((below, '', scoped(node)))
     elif isinstance(node, ast.Import):
-      out += [(a.name.split('.')[1], '', scoped(node)) for a in node.names
+      out += [(a.name[len('skewadam_jax.'):], '', scoped(node)) for a in node.names
               if a.name.startswith('skewadam_jax.')]
   return out
 
 
 def _private_reads(source: str) -> list[str]:
   """`module._name` reads of another library module's private names, and `from
-  skewadam_jax._module import _name`."""
+  skewadam_jax.<module> import _name`."""
   tree = ast.parse(source)
   modules = {bound for _, bound, _ in _imports(source) if bound}
   out = []
@@ -75,49 +106,68 @@ def _silenced(source: str) -> list[str]:
           if t.type == tokenize.COMMENT and 'SLF001' in t.string]
 
 
+def _package(name: str) -> str:
+  return name if SOURCES.get(name) is not None and (PACKAGE / name.replace('.', '/')).is_dir() \
+      else name.rpartition('.')[0]
+
+
 def _graph() -> dict[str, set[str]]:
-  return {name: {m for m, _, _ in _imports(src) if m in SOURCES and m != name}
-          for name, src in SOURCES.items()}
+  return {name: {m for m, _, _ in _imports(SOURCES[name], _package(name))
+                 if m in SOURCES and m != name and m}
+          for name in MODULES}
 
 
 def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
   seen, todo = set(), [start]
   while todo:
-    for m in graph[todo.pop()] - seen:
+    for m in graph.get(todo.pop(), set()) - seen:
       seen.add(m)
       todo.append(m)
   return seen
 
 
+def _layer(name: str) -> int:
+  return LAYERS.index(name.split('.')[0])
+
+
 def test_the_checks_see_what_they_look_for():
-  bad = ('from skewadam_jax import _labels\n'
+  bad = ('from skewadam_jax.structure import labels as _labels\n'
          'def f(x):\n'
-         '  from skewadam_jax import _tiered\n'
+         '  from skewadam_jax.transforms import tiers as _tiered\n'
          '  return _labels._shape(x)  # noqa: SLF001\n')
-  assert _imports(bad) == [('_labels', '_labels', False), ('_tiered', '_tiered', True)]
+  assert _imports(bad) == [('structure.labels', '_labels', False),
+                           ('transforms.tiers', '_tiered', True)]
   assert _private_reads(bad) == ['_labels._shape (line 4)']
   assert _silenced(bad) == ['line 4: # noqa: SLF001']
-  assert _private_reads('from skewadam_jax._labels import _Leaf\n') == [
-      'skewadam_jax._labels._Leaf (line 1)']
+  assert _private_reads('from skewadam_jax.structure.labels import _Leaf\n') == [
+      'skewadam_jax.structure.labels._Leaf (line 1)']
+  assert _imports('from skewadam_jax.core.tree import abstract_leaf\n') == [
+      ('core.tree', '', False)]
+  assert _imports('from . import paths\n', 'structure') == [('structure.paths', 'paths', False)]
   assert _closure({'a': {'b'}, 'b': {'c'}, 'c': set()}, 'a') == {'b', 'c'}
 
 
-@pytest.mark.parametrize('name', sorted(SOURCES))
+def test_every_module_sits_in_a_layer():
+  assert {name.split('.')[0] for name in MODULES} == set(LAYERS)
+
+
+@pytest.mark.parametrize('name', MODULES)
+def test_modules_import_only_from_their_layer_or_below(name):
+  graph = _graph()
+  higher = sorted(m for m in graph[name] if _layer(m) > _layer(name))
+  assert not higher, f'{name} imports {higher} from a higher layer'
+
+
+@pytest.mark.parametrize('name', MODULES)
 def test_library_modules_import_each_other_at_module_level(name):
-  late = [module for module, _, scoped in _imports(SOURCES[name]) if scoped]
+  late = [module for module, _, scoped in _imports(SOURCES[name], _package(name)) if scoped]
   assert not late, f'{name}.py imports {late} inside a function or class'
 
 
-@pytest.mark.parametrize('name', sorted(SOURCES))
+@pytest.mark.parametrize('name', MODULES)
 def test_no_module_reads_anothers_private_names(name):
   assert not _private_reads(SOURCES[name]), name
   assert not _silenced(SOURCES[name]), name
-
-
-@pytest.mark.parametrize('low', ['_axes', '_paths'])
-def test_batch_axes_sit_below_the_transforms(low):
-  below = _closure(_graph(), low)
-  assert not below & {'_tiered', '_alias'}, f'{low} imports {sorted(below)}'
 
 
 def test_modules_import_each_other_without_a_cycle():

@@ -11,8 +11,8 @@ from flax import linen as nn
 from flax import nnx
 
 import skewadam_jax as sj
-from skewadam_jax import _labels
-from skewadam_jax import _paths
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
 import moe_models as mm
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 
 import skewadam_jax as sj
-from skewadam_jax import _memory
+from skewadam_jax.reports import memory as _memory
 
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32

@@ -27,8 +27,8 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax import _flax
-from skewadam_jax import _paths
+from skewadam_jax.structure import boxes as _flax
+from skewadam_jax.structure import paths as _paths
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'tests' / 'metadata_runs.py'

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax import _tiered
+from skewadam_jax.transforms import tiers as _tiered
 
 GROUPED_TIERS = {
     'backbone': sj.Tier(momentum=True, second_moment='grouped', group_size=2),

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax import _labels
-from skewadam_jax import _paths
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
 
 PARAMS = {'moe': {'a': jnp.zeros((4, 5, 6)), 'b': jnp.zeros((4, 5, 6))},
           'w': jnp.zeros((5, 6))}

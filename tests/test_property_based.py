@@ -21,8 +21,8 @@ from hypothesis import example, given, HealthCheck, settings
 from hypothesis import strategies as st
 
 import skewadam_jax as sj
-from skewadam_jax import _grouped
-from skewadam_jax import _tiered
+from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.transforms import tiers as _tiered
 from reference import leaf_axis, RefAdamPM, ref_expand, ref_groupmean, RefTier
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,

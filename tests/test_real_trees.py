@@ -20,8 +20,8 @@ import pytest
 from flax import nnx
 
 import skewadam_jax as sj
-from skewadam_jax import _labels
-from skewadam_jax import _paths
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
 
 DATA = Path(__file__).resolve().parent / 'data' / 'real_trees'
 FILES = sorted(DATA.glob('*.json'))

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import skewadam_jax as sj
-from skewadam_jax import _walk
+from skewadam_jax.reports import walk as _walk
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32

@@ -18,8 +18,8 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax import _labels
-from skewadam_jax import _paths
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
 
 V, D, H, F = 64, 16, 24, 32
 SIZES = [(2, 4), (6, 4)]  # (R, E): the repeat length below and above the expert count

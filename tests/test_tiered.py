@@ -10,7 +10,7 @@ import pytest
 
 import skewadam_jax as sj
 from reference import RefTier
-from skewadam_jax import _alias
+from skewadam_jax.transforms import alias as _alias
 from trees import MOE_LEAVES, init_params, make_grads_fn, nest, run_optax
 
 STEPS = 30

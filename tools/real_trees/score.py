@@ -34,7 +34,7 @@ import optax  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 import skewadam_jax as sj  # noqa: E402
-from skewadam_jax import _paths  # noqa: E402
+from skewadam_jax.structure import paths as _paths  # noqa: E402
 
 DATA = os.path.join(REPO, 'tests', 'data', 'real_trees')
 

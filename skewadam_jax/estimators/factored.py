@@ -37,13 +37,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
-from skewadam_jax import _exact
-from skewadam_jax import _second_moment
-from skewadam_jax import _xla
-from skewadam_jax._second_moment import Layout
-from skewadam_jax._second_moment import Spec
-from skewadam_jax._second_moment import Stats
-from skewadam_jax._second_moment import Step
+from skewadam_jax.estimators import exact as _exact
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.core import xla as _xla
+from skewadam_jax.estimators.base import Layout
+from skewadam_jax.estimators.base import Spec
+from skewadam_jax.estimators.base import Stats
+from skewadam_jax.estimators.base import Step
 
 # Guard of the row normalisation `r / mean(r)`, as in the reference implementation.
 ROW_MEAN_FLOOR = 1e-15

@@ -39,10 +39,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import jax
 
-from skewadam_jax import _checks
-from skewadam_jax import _flax
-from skewadam_jax import _paths
-from skewadam_jax import _stacks
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.structure import boxes as _flax
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.structure import stacks as _stacks
 
 Rule = tuple[str, str]  # (pattern, tier): pattern is '/'-separated segment globs.
 

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
-from skewadam_jax import _second_moment
-from skewadam_jax._second_moment import Spec
-from skewadam_jax._second_moment import Stats
-from skewadam_jax._second_moment import Step
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.estimators.base import Spec
+from skewadam_jax.estimators.base import Stats
+from skewadam_jax.estimators.base import Step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
-from skewadam_jax import _xla
+from skewadam_jax.core import xla as _xla
 
 STAT_FIELDS = ('v_row', 'v_col', 'v')
 

@@ -36,10 +36,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from jax.sharding import Sharding
 
-from skewadam_jax import _checks
-from skewadam_jax import _paths
-from skewadam_jax import _trace
-from skewadam_jax import _tree
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.reports import trace as _trace
+from skewadam_jax.core import tree as _tree
 
 Spec = tuple[Any, ...]  # one PartitionSpec entry per dimension
 

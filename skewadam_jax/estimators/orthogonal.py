@@ -52,11 +52,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from skewadam_jax import _checks
-from skewadam_jax import _second_moment
-from skewadam_jax._second_moment import Spec
-from skewadam_jax._second_moment import Stats
-from skewadam_jax._second_moment import Step
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.estimators.base import Spec
+from skewadam_jax.estimators.base import Stats
+from skewadam_jax.estimators.base import Step
 
 # Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024; optax's default).
 NS_COEFFS = (3.4445, -4.7750, 2.0315)

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from skewadam_jax import _checks
-from skewadam_jax import _flax
-from skewadam_jax import _paths
-from skewadam_jax import _tree
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.structure import boxes as _flax
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.core import tree as _tree
 
 Names = tuple[Any, ...]  # one axis name (or None) per dimension
 # The PartitionSpec of each field a leaf keeps (leaf index, parameter's axis names, shape).

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from skewadam_jax import _alias
-from skewadam_jax import _checks
-from skewadam_jax import _labels
-from skewadam_jax import _tiered
-from skewadam_jax import _trace
-from skewadam_jax import _tree
+from skewadam_jax.transforms import alias as _alias
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.reports import trace as _trace
+from skewadam_jax.core import tree as _tree
 
 GIB = 1024**3
 

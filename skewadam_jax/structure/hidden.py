@@ -24,10 +24,10 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Optional
 
-from skewadam_jax import _axes
-from skewadam_jax import _labels
-from skewadam_jax import _paths
-from skewadam_jax import _second_moment
+from skewadam_jax.structure import axes as _axes
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.estimators import base as _second_moment
 
 HIDDEN_TIER = 'hidden'
 # Path segments (case-insensitive globs) that name an embedding or an output head.

@@ -27,14 +27,14 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import jax
 import optax
 
-from skewadam_jax import _axes
-from skewadam_jax import _flax
-from skewadam_jax import _labels
-from skewadam_jax import _paths
-from skewadam_jax import _second_moment
-from skewadam_jax import _tiered
-from skewadam_jax import _tree
-from skewadam_jax import _walk
+from skewadam_jax.structure import axes as _axes
+from skewadam_jax.structure import boxes as _flax
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.core import tree as _tree
+from skewadam_jax.reports import walk as _walk
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from skewadam_jax import _checks
-from skewadam_jax import _grouped
-from skewadam_jax import _per_leaf
-from skewadam_jax import _second_moment
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.transforms import per_leaf as _per_leaf
+from skewadam_jax.estimators import base as _second_moment
 
 class GroupedSecondMomentState(NamedTuple):
   """State of `scale_by_grouped_second_moment`."""

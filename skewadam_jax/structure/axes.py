@@ -41,12 +41,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import jax
 
-from skewadam_jax import _flax
-from skewadam_jax import _labels
-from skewadam_jax import _paths
-from skewadam_jax import _second_moment
-from skewadam_jax import _stacks
-from skewadam_jax import _tree
+from skewadam_jax.structure import boxes as _flax
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.structure import stacks as _stacks
+from skewadam_jax.core import tree as _tree
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
 

@@ -26,17 +26,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from skewadam_jax import _checks
-from skewadam_jax import _exact
-from skewadam_jax import _factored
-from skewadam_jax import _flax
-from skewadam_jax import _grouped
-from skewadam_jax import _labels
-from skewadam_jax import _orthogonal
-from skewadam_jax import _paths
-from skewadam_jax import _per_leaf
-from skewadam_jax import _second_moment
-from skewadam_jax import _tree
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import exact as _exact
+from skewadam_jax.estimators import factored as _factored
+from skewadam_jax.structure import boxes as _flax
+from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.estimators import orthogonal as _orthogonal
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.transforms import per_leaf as _per_leaf
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.core import tree as _tree
 
 SECOND_MOMENTS = ('exact', 'factored', 'grouped', 'orthogonal')
 EPS_MODES = ('floor', 'adam')

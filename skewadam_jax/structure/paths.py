@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 
-from skewadam_jax import _tree
+from skewadam_jax.core import tree as _tree
 
 Segments = tuple[str, ...]
 Rule = tuple[str, Any]  # (pattern, value): pattern is '/'-separated segment globs.

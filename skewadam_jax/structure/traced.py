@@ -67,8 +67,8 @@ import jax
 from jax.extend import core as jex_core
 import numpy as np
 
-from skewadam_jax import _paths
-from skewadam_jax import _tree
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.core import tree as _tree
 
 BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
 

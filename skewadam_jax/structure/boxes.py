@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 from jax.sharding import PartitionSpec
 
-from skewadam_jax import _paths
+from skewadam_jax.structure import paths as _paths
 
 Names = tuple[Any, ...]  # one axis name (or None) per dimension
 # Where an NNX Variable keeps its axis names, newest spelling first (see the docstring).

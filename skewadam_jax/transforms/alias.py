@@ -8,15 +8,15 @@ from typing import Any, Callable, Mapping, Optional, Union
 import jax
 import optax
 
-from skewadam_jax import _adampm
-from skewadam_jax import _axes
-from skewadam_jax import _checks
-from skewadam_jax import _grouped
-from skewadam_jax import _hidden
-from skewadam_jax import _labels
-from skewadam_jax import _tiered
-from skewadam_jax import _trace
-from skewadam_jax import _tree
+from skewadam_jax.transforms import adampm as _adampm
+from skewadam_jax.structure import axes as _axes
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.structure import hidden as _hidden
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.reports import trace as _trace
+from skewadam_jax.core import tree as _tree
 
 
 @functools.lru_cache(maxsize=1)

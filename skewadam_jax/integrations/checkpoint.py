@@ -33,8 +33,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from skewadam_jax import _paths
-from skewadam_jax import _tree
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.core import tree as _tree
 
 # Field names of the optimizer states that mark where a parameter's path starts.
 STATE_FIELDS = ('count', 'mu', 'nu', 'v', 'v_row', 'v_col')

@@ -36,14 +36,14 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
-from skewadam_jax import _checks
-from skewadam_jax import _exact
-from skewadam_jax import _second_moment
-from skewadam_jax import _xla
-from skewadam_jax._second_moment import Layout
-from skewadam_jax._second_moment import Spec
-from skewadam_jax._second_moment import Stats
-from skewadam_jax._second_moment import Step
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import exact as _exact
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.core import xla as _xla
+from skewadam_jax.estimators.base import Layout
+from skewadam_jax.estimators.base import Spec
+from skewadam_jax.estimators.base import Stats
+from skewadam_jax.estimators.base import Step
 
 
 # Stands for "not given" where None is a value that must raise (e.g. `axis=None`).

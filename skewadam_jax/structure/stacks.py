@@ -49,7 +49,7 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
-from skewadam_jax import _paths
+from skewadam_jax.structure import paths as _paths
 
 # Modules that hold scanned (stacked) layers when they are not followed by an index.
 SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')

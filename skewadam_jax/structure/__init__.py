@@ -1,0 +1,6 @@
+"""What each parameter is: paths and containers, names, stacks and banks, batch axes,
+hidden matrices, and the traced analysis of the computation. Imports `core` and
+`estimators` (their layout geometry).
+
+Internal: the public API is `import skewadam_jax as sj`.
+"""

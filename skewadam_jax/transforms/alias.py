@@ -15,7 +15,7 @@ from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.structure import hidden as _hidden
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.transforms import tiers as _tiered
-from skewadam_jax.reports import trace as _trace
+from skewadam_jax.transforms import recording as _recording
 from skewadam_jax.core import tree as _tree
 
 
@@ -136,7 +136,7 @@ def skewadam(
     else:
       with _axes.labels_in_use(params, labels):  # moe_batch_axes(p) in it sees them
         axes = batch_axes(params)
-    _trace.record_tiers(params, tiers, param_labels, labels, axes)  # for the reports
+    _recording.record_tiers(params, tiers, param_labels, labels, axes)  # for the reports
     # A function, not the label tree: a callable tree (an Equinox module) would be
     # called as the labeler.
     return _tiered.scale_by_tiers(tiers, lambda _: labels, b1, b2, eps, batch_axes=axes)

@@ -1,0 +1,69 @@
+"""What `skewadam` gives each parameter, noted while a report traces its `init`.
+
+`skewadam`'s `init` calls `record_tiers`; outside `recording_tiers` (which the reports'
+`trace_init` opens) it does nothing. Kept in the transforms layer because `skewadam`
+calls it: the reports read the table, they do not reach back into the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import warnings
+from typing import Any, Iterator, Mapping, Optional
+
+from skewadam_jax.core import tree as _tree
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.structure import axes as _axes
+from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.transforms import tiers as _tiered
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRecord:
+  """What a `skewadam` gives one parameter, as recorded while its `init` was traced."""
+  tier: str  # the tier's name
+  estimator: _second_moment.SecondMoment  # the leaf's estimator (after `for_leaf`)
+  batch_axes: tuple[int, ...]  # sorted, non-negative
+  note: str  # the labeler's note: how structure decided the tier, or why it is a guess
+
+
+_TIERS: contextvars.ContextVar[Optional[dict[str, TierRecord]]] = contextvars.ContextVar(
+    'skewadam_jax_recorded_tiers', default=None)
+
+
+@contextlib.contextmanager
+def recording_tiers() -> Iterator[dict[str, TierRecord]]:
+  table: dict[str, TierRecord] = {}
+  token = _TIERS.set(table)
+  try:
+    yield table
+  finally:
+    _TIERS.reset(token)
+
+
+def record_tiers(params: Any, tiers: Mapping[str, _tiered.Tier], param_labels: Any,
+                 labels: Any, batch_axes: Any) -> None:
+  """Notes what `skewadam` gives each parameter, while `trace_init` runs (else nothing).
+
+  Args:
+    params: the params `skewadam`'s `init` labels (tracers, boxed or not).
+    tiers: its tiers.
+    param_labels: its `param_labels` argument (the labeler whose notes to keep).
+    labels: the full label tree it uses.
+    batch_axes: the batch-axes tree it uses.
+  """
+  table = _TIERS.get()
+  if table is None:
+    return
+  leaves, treedef = _paths.flatten_with_paths(params)
+  axes, _ = _axes.batch_axes_and_notes(params, labels, batch_axes)
+  with warnings.catch_warnings():  # the labeler warned once already, in `init`
+    warnings.simplefilter('ignore', _labels.UnsureLabelWarning)
+    _, notes = _labels.labels_and_notes(params, param_labels)
+  for (path, p), label, ax, note in zip(leaves, treedef.flatten_up_to(labels), axes, notes):
+    shape = tuple(_tree.abstract_leaf(p).shape)
+    estimator = _tiered.leaf_estimator(shape, tiers[label], ax, path)
+    table.setdefault(path, TierRecord(label, estimator, tuple(ax), note))

@@ -18,11 +18,11 @@ from skewadam_jax.transforms.adampm import scale_by_grouped_second_moment
 from skewadam_jax.transforms.tiers import scale_by_tiered_adam
 from skewadam_jax.transforms.tiers import scale_by_tiers
 # Tier configuration: the published policy, ours, and how to change or add a tier.
-from skewadam_jax.transforms.tiers import PUBLISHED_TIERS
-from skewadam_jax.transforms.tiers import ADAM_EPS_TIERS
-from skewadam_jax.transforms.tiers import ADAM_ROUTER_TIERS
-from skewadam_jax.transforms.tiers import MUON_TIERS
-from skewadam_jax.transforms.tiers import Tier
+from skewadam_jax.transforms.presets import PUBLISHED_TIERS
+from skewadam_jax.transforms.presets import ADAM_EPS_TIERS
+from skewadam_jax.transforms.presets import ADAM_ROUTER_TIERS
+from skewadam_jax.transforms.presets import MUON_TIERS
+from skewadam_jax.transforms.tier import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
 from skewadam_jax.transforms.adampm import GroupedSecondMomentState
 from skewadam_jax.transforms.tiers import TieredAdamState

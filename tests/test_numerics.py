@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.transforms import tier as _tier
 
 GROUPED_TIERS = {
     'backbone': sj.Tier(momentum=True, second_moment='grouped', group_size=2),
@@ -212,7 +212,7 @@ def test_nan_stays_in_state_without_apply_if_finite():
 
 ALL_TIERS = [
     sj.Tier(momentum=m, second_moment=k, eps_mode=e, clip_threshold=c, group_size=4)
-    for m in (True, False) for k in _tiered.SECOND_MOMENTS for e in _tiered.EPS_MODES
+    for m in (True, False) for k in _tier.SECOND_MOMENTS for e in _tier.EPS_MODES
     for c in (1.0, None)
 ]
 ZERO_SHAPES = [(), (5,), (3, 4, 7)]

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import skewadam_jax as sj
 from skewadam_jax.estimators import grouped as _grouped
-from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.transforms import tier as _tier
 from reference import leaf_axis, RefAdamPM, ref_expand, ref_groupmean, RefTier
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,
@@ -113,11 +113,11 @@ def tier_cases(draw):
       # The second-moment estimators of tests/reference.py; the orthogonal update has
       # its own NumPy reference (tests/test_orthogonal.py).
       second_moment=draw(st.sampled_from(
-          [k for k in _tiered.SECOND_MOMENTS if k != 'orthogonal'])),
+          [k for k in _tier.SECOND_MOMENTS if k != 'orthogonal'])),
       group_size=draw(st.integers(1, 5)),
       group_axis=draw(axis_for(case.shape)),
       clip_threshold=draw(st.one_of(st.none(), st.sampled_from([0.05, 0.5, 1.0, 4.0]))),
-      eps_mode=draw(st.sampled_from(_tiered.EPS_MODES)),
+      eps_mode=draw(st.sampled_from(_tier.EPS_MODES)),
       apply_weight_decay=True)
   return case, tier
 

@@ -25,7 +25,7 @@ import optax
 from skewadam_jax.transforms import alias as _alias
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.structure import labels as _labels
-from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.reports import trace as _trace
 from skewadam_jax.core import tree as _tree
 
@@ -251,7 +251,7 @@ class LabelTable(collections.abc.Sequence):
     return '\n'.join(out)
 
 
-def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tiered.Tier]] = None,
+def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.Tier]] = None,
                 param_labels: Any = None, batch_axes: Any = None) -> LabelTable:
   """Every leaf with its path, shape, tier, batch axes, estimator, state bytes and a note,
   as the `skewadam` in `tx` gives them.

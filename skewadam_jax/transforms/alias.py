@@ -14,6 +14,8 @@ from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.structure import hidden as _hidden
 from skewadam_jax.structure import labels as _labels
+from skewadam_jax.transforms import presets as _presets
+from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.transforms import tiers as _tiered
 from skewadam_jax.transforms import recording as _recording
 from skewadam_jax.core import tree as _tree
@@ -35,7 +37,7 @@ def _add_decayed_weights(weight_decay: Any, mask: Any) -> optax.GradientTransfor
   return optax.add_decayed_weights(weight_decay, mask)
 
 
-def tier_labeler(tiers: Mapping[str, _tiered.Tier], param_labels: Any = None
+def tier_labeler(tiers: Mapping[str, _tier.Tier], param_labels: Any = None
                  ) -> Callable[[Any], Any]:
   """A validating labeler: params -> full label tree whose labels all name a tier."""
 
@@ -56,7 +58,7 @@ def skewadam(
     eps: jax.typing.ArrayLike = 1e-8,
     weight_decay: optax.ScalarOrSchedule = 0.0,
     *,
-    tiers: Optional[Mapping[str, _tiered.Tier]] = None,
+    tiers: Optional[Mapping[str, _tier.Tier]] = None,
     param_labels: Union[Any, Callable[[Any], Any], None] = None,
     batch_axes: Union[Any, Callable[[Any], Any], None] = None,
     mask: Union[Any, Callable[[Any], Any], None] = None,
@@ -118,7 +120,7 @@ def skewadam(
   """
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
-  tiers = _tiered.check_tiers(tiers)
+  tiers = _presets.check_tiers(tiers)
   labeler = tier_labeler(tiers, param_labels)
   # The built-in labeler reports unsure subtrees (a stack or a bank?) itself.
   labeler_reports = param_labels is None or isinstance(param_labels, _labels.Labeler)

@@ -18,6 +18,7 @@ from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import axes as _axes
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
+from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.transforms import tiers as _tiered
 
 
@@ -44,7 +45,7 @@ def recording_tiers() -> Iterator[dict[str, TierRecord]]:
     _TIERS.reset(token)
 
 
-def record_tiers(params: Any, tiers: Mapping[str, _tiered.Tier], param_labels: Any,
+def record_tiers(params: Any, tiers: Mapping[str, _tier.Tier], param_labels: Any,
                  labels: Any, batch_axes: Any) -> None:
   """Notes what `skewadam` gives each parameter, while `trace_init` runs (else nothing).
 

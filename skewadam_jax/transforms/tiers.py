@@ -1,26 +1,16 @@
 """SkewAdam's tier rule: a first-moment rule composed with a second-moment estimator.
 
-A tier chooses momentum (on/off and its dtype), a second-moment estimator (`exact`,
-`factored` row/column, `grouped` as in AdamPM, or a user's `SecondMoment`), an RMS
-clip of the update, how `eps` enters, and whether weight decay applies.
-`PUBLISHED_TIERS` is the policy of the SkewAdam paper: the dense backbone keeps
-momentum and a factored second moment, the expert bank only a factored second moment
-per expert, the router an exact one. Two policies are ours. `ADAM_EPS_TIERS`: the same
-tiers with Adam's additive eps and an fp32 router momentum, which train well at AdamW's
-own learning rate (the published floor wants a larger one) for 2% more state.
-`ADAM_ROUTER_TIERS`: the published backbone and experts with that router alone, at the
-published tiers' learning rate, for a router that spreads its tokens over every expert
-sooner. Each estimator lives in its own module (`_exact`, `_factored`, `_grouped`); this
-one only composes them.
+`scale_by_tiers` steps every parameter by its tier (`tier.Tier`), one state for all
+tiers; `scale_by_tiered_adam` is one tier's rule for every leaf it gets. Each estimator
+lives in its own module (`estimators.exact`, `.factored`, `.grouped`, `.orthogonal`);
+this one only composes them, leaf by leaf (`per_leaf`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-import warnings
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,221 +22,13 @@ from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.structure import boxes as _flax
 from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.structure import labels as _labels
-from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import per_leaf as _per_leaf
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.core import tree as _tree
 
-SECOND_MOMENTS = ('exact', 'factored', 'grouped', 'orthogonal')
-EPS_MODES = ('floor', 'adam')
-
-_OLD_WEIGHT_DECAY = ('`Tier.weight_decay` is renamed `apply_weight_decay` (`skewadam`\'s '
-                     '`weight_decay` is the rate); the old name will be removed in a later '
-                     'release.')
-
-
-def _old_weight_decay(changes: dict[str, Any], stacklevel: int,
-                      positional: bool = False) -> dict[str, Any]:
-  """`changes` with the deprecated `weight_decay` keyword (if any) as `apply_weight_decay`
-  (`positional`: `apply_weight_decay` is also given positionally)."""
-  if 'weight_decay' not in changes:
-    return changes
-  changes = dict(changes)
-  value = changes.pop('weight_decay')
-  if positional or 'apply_weight_decay' in changes:
-    raise TypeError('Pass `apply_weight_decay` only: `weight_decay` is its deprecated name, '
-                    'and both were given.')
-  warnings.warn(_OLD_WEIGHT_DECAY, DeprecationWarning, stacklevel=stacklevel + 1)
-  if not isinstance(value, bool):
-    raise TypeError(f'`weight_decay` (now `apply_weight_decay`) must be a bool, got {value!r}.')
-  changes['apply_weight_decay'] = value
-  return changes
-
-
-def _accepts_old_weight_decay(cls: type) -> type:
-  """Lets the dataclass `__init__` take the deprecated `weight_decay` keyword."""
-  init = cls.__init__
-  position = [f.name for f in dataclasses.fields(cls) if f.init].index('apply_weight_decay')
-
-  @functools.wraps(init)
-  def __init__(self, *args: Any, **kwargs: Any) -> None:
-    init(self, *args, **_old_weight_decay(kwargs, stacklevel=2,
-                                          positional=len(args) > position))
-
-  cls.__init__ = __init__
-  return cls
-
-
-@_accepts_old_weight_decay
-@dataclasses.dataclass(frozen=True)
-class Tier:
-  """Static configuration of one tier of `scale_by_tiered_adam`.
-
-  Attributes:
-    momentum: keep a first moment (EMA of gradients) for this tier.
-    mu_dtype: dtype the first moment is stored in (float32 as published).
-    second_moment: `'factored'` (row/column statistics for leaves with ndim >= 2,
-      per matrix over the batch axes; exact for < 2 non-batch axes), `'exact'` (Adam's full
-      second moment), `'grouped'` (AdamPM pooling over `group_size` neighbours),
-      `'orthogonal'` (no statistics: each matrix orthogonalised as in Muon, see
-      `sj.Orthogonal`), or an estimator object (a `skewadam_jax.SecondMoment`, e.g. one
-      of your own).
-    group_size: group size of the `'grouped'` estimator.
-    group_axis: axis the `'grouped'` estimator pools along.
-    clip_threshold: RMS clip of the update (per slice of the batch axes, i.e. per
-      expert for stacked experts), or None for no clipping.
-    eps_mode: `'floor'` (as published: `eps` floors the uncorrected second moment
-      inside the square root) or `'adam'` (`u = m_hat / (sqrt(v_hat) + eps)`).
-    apply_weight_decay: whether decoupled weight decay (`skewadam`'s `weight_decay`
-      rate) applies to this tier. Formerly `weight_decay`, which still works (as a
-      keyword, in `replace` and as an attribute) with a `DeprecationWarning`.
-    nesterov: with momentum, the numerator is optax's Nesterov form (as in
-      `optax.adam(nesterov=True)` and `optax.contrib.muon`) instead of `m / bc1`:
-      `x = b1 m / (1 - b1^(t+1)) + (1 - b1) g / bc1`.
-    b1: this tier's momentum decay rate, or None for the transform's `b1` (Muon's
-      tiers use 0.95 beside Adam's 0.9).
-
-  Memory: every estimator keeps the step free of full-size temporaries, in any layout
-  of batch axes, except a `'grouped'` tier with a clip whose groups do not divide the
-  pooled axis, where the clip recomputes the update through a gather. XLA temporaries
-  of `jit(update + apply)` measured on XLA:CPU for a float32 [256, 4, 256] leaf
-  (1,048,576 B): in groups of 3 along the last axis, 1,403,908 B (1.34x the leaf) with
-  momentum, 1,056,768 B (1.01x) without. Dividing groups cost nothing of the leaf's
-  size, along a matrix axis or a batch axis: 131,140 B with `batch_axes=(1,)` in groups
-  of 8 along the last axis, 132,100 B in groups of 8 along the first axis of the default
-  layout, 524,356 B (the size of the pooled statistic) in groups of 2 along the batch
-  axis of `batch_axes=(1,)`; nor does any case without the clip. Pool in dividing
-  groups, or drop the clip, where memory is tight. On XLA:CPU only (the barrier that
-  keeps the clip's two passes apart is left out on GPUs), a `nesterov` tier with a clip
-  also materialises its numerator `x`: 1,060,996 B (1.01x) factored, 1,048,708 B (1.00x)
-  exact, on the same leaf with `batch_axes=(1,)` (8,388 B and 132 B without the clip;
-  `MUON_TIERS`' Nesterov tier has none).
-  """
-  momentum: bool = True
-  mu_dtype: Any = jnp.float32
-  second_moment: Union[str, _second_moment.SecondMoment] = 'factored'
-  group_size: int = 8
-  group_axis: int = -1
-  clip_threshold: Optional[float] = 1.0
-  eps_mode: str = 'floor'
-  apply_weight_decay: bool = True
-  nesterov: bool = False
-  b1: Optional[float] = None
-
-  def __post_init__(self):
-    if not isinstance(self.momentum, bool):
-      raise TypeError(f'`momentum` must be a bool, got {self.momentum!r}.')
-    try:
-      mu_dtype = jnp.dtype(self.mu_dtype)
-    except TypeError as e:
-      raise TypeError(f'`mu_dtype` must be a floating dtype, got {self.mu_dtype!r}.') from e
-    if not jnp.issubdtype(mu_dtype, jnp.floating):
-      raise TypeError(f'`mu_dtype` must be a floating dtype, got {self.mu_dtype!r}.')
-    object.__setattr__(self, 'mu_dtype', mu_dtype)
-    if not isinstance(self.second_moment, _second_moment.SecondMoment):
-      _checks.check_choice('second_moment', self.second_moment, SECOND_MOMENTS,
-                           'an estimator object (a skewadam_jax.SecondMoment) works too')
-    _checks.check_positive_int('group_size', self.group_size)
-    _checks.check_axis(self.group_axis, 'group_axis')
-    if self.clip_threshold is not None:
-      if not _checks.is_concrete_number(self.clip_threshold):
-        raise TypeError('`clip_threshold` must be a positive float or None, got '
-                        f'{self.clip_threshold!r}.')
-      if not float(self.clip_threshold) > 0:
-        raise ValueError('`clip_threshold` must be a positive float or None, got '
-                         f'{self.clip_threshold!r}.')
-    _checks.check_choice('eps_mode', self.eps_mode, EPS_MODES)
-    if not isinstance(self.apply_weight_decay, bool):
-      raise TypeError(f'`apply_weight_decay` must be a bool, got {self.apply_weight_decay!r}.')
-    if not isinstance(self.nesterov, bool):
-      raise TypeError(f'`nesterov` must be a bool, got {self.nesterov!r}.')
-    if self.nesterov and not self.momentum:
-      raise ValueError('`nesterov=True` needs `momentum=True`: Nesterov momentum is a rule '
-                       'of the first moment, which this tier does not keep.')
-    if self.b1 is not None:
-      if not _checks.is_concrete_number(self.b1):
-        raise TypeError(f'`b1` of a Tier must be a float in [0, 1) or None, got {self.b1!r}.')
-      _checks.check_beta('b1', self.b1)
-
-  def replace(self, **changes: Any) -> Tier:
-    """A copy of this tier with some options changed."""
-    changes = _old_weight_decay(changes, stacklevel=2)
-    fields = {f.name for f in dataclasses.fields(self)}
-    unknown = sorted(set(changes) - fields)
-    if unknown:
-      hint = _checks.did_you_mean(unknown[0], fields)
-      raise TypeError(f'Unknown Tier option(s) {unknown}{hint}; the options are '
-                      f'{sorted(fields)}.')
-    return dataclasses.replace(self, **changes) if changes else self
-
-  @property
-  def weight_decay(self) -> bool:
-    """Deprecated name of `apply_weight_decay`."""
-    warnings.warn(_OLD_WEIGHT_DECAY, DeprecationWarning, stacklevel=2)
-    return self.apply_weight_decay
-
-  @property
-  def estimator(self) -> _second_moment.SecondMoment:
-    """The tier's second-moment estimator (before the per-leaf fallback to exact)."""
-    if isinstance(self.second_moment, _second_moment.SecondMoment):
-      return self.second_moment
-    if self.second_moment == 'grouped':
-      return _grouped.Grouped(self.group_size, self.group_axis, axis_arg='group_axis')
-    return {'exact': _exact.EXACT, 'factored': _factored.FACTORED,
-            'orthogonal': _orthogonal.ORTHOGONAL}[self.second_moment]
-
-
-PUBLISHED_TIERS: Mapping[str, Tier] = {
-    'backbone': Tier(momentum=True, second_moment='factored'),
-    'experts': Tier(momentum=False, second_moment='factored'),
-    'router': Tier(momentum=False, second_moment='exact', apply_weight_decay=False),
-}
-
-# Beyond the paper: with tiny expert and router gradients (RMS ~1e-5 at init) the
-# published eps floor sets their denominators and damps their updates, so the published
-# tiers want a larger lr than Adam's, and a router without momentum learns slowly.
-# Additive eps and an fp32 router momentum (a [d, E] kernel: a few KB) make AdamW's lr
-# work; the tiers and their state are otherwise the published ones.
-ADAM_EPS_TIERS: Mapping[str, Tier] = {
-    'backbone': Tier(momentum=True, second_moment='factored', eps_mode='adam'),
-    'experts': Tier(momentum=False, second_moment='factored', eps_mode='adam'),
-    'router': Tier(momentum=True, second_moment='exact', eps_mode='adam',
-                   apply_weight_decay=False),
-}
-
-# The published floor slows the router most: its gradients are the smallest, and while
-# the router weights are small, noise-free top-k leaves many experts without tokens. An
-# Adam router (additive eps, fp32 momentum) on the published backbone and experts keeps
-# the published lr and ends that dead-expert phase sooner, for one router-sized buffer.
-ADAM_ROUTER_TIERS: Mapping[str, Tier] = {
-    'backbone': PUBLISHED_TIERS['backbone'],
-    'experts': PUBLISHED_TIERS['experts'],
-    'router': PUBLISHED_TIERS['router'].replace(momentum=True, eps_mode='adam'),
-}
-
-
-# Muon (Jordan et al. 2024) on the backbone's hidden matrices: the fp32 momentum the
-# published backbone already keeps is exactly Muon's state, and orthogonalising it
-# replaces the factored second moment (no statistics). Nesterov and b1 = 0.95 as in
-# Muon; the update RMS is matched to Adam's (0.2), so one learning rate serves every
-# tier. The experts keep no state at all: each expert's gradient is orthogonalised on
-# its own (per batch slice), which beat the published factored expert tier in the
-# quality sweep (benchmarks/quality.py, 2000 steps, each at its best lr); a per-expert
-# vector with no matrix to orthogonalise gets the factored tier's exact estimate.
-# Embeddings, heads and norms keep the published backbone tier, the router the Adam
-# router of ADAM_ROUTER_TIERS. The tier names: `hidden_param_labels` labels the hidden
-# matrices `hidden`, and `skewadam` uses it when the tiers have a `hidden` tier.
-MUON_TIERS: Mapping[str, Tier] = {
-    'backbone': PUBLISHED_TIERS['backbone'],
-    'hidden': Tier(momentum=True, nesterov=True, b1=0.95, second_moment='orthogonal',
-                   clip_threshold=None),
-    'experts': Tier(momentum=False,
-                    second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
-                    clip_threshold=None),
-    'router': ADAM_ROUTER_TIERS['router'],
-}
-
+from skewadam_jax.transforms import presets as _presets
+from skewadam_jax.transforms.tier import Tier
 
 FIELDS = ('mu',) + _second_moment.STAT_FIELDS  # the per-parameter fields of the state
 
@@ -266,24 +48,6 @@ class TieredAdamState(NamedTuple):
   v_row: optax.Updates  # factored leaves: shape [..., R] float32; else None.
   v_col: optax.Updates  # factored leaves: shape [..., C] float32; else None.
   v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else None.
-
-
-def check_tiers(tiers: Any) -> dict[str, Tier]:
-  """`tiers` as a dict (None: `PUBLISHED_TIERS`); raises unless it maps names to Tiers."""
-  if tiers is None:
-    return dict(PUBLISHED_TIERS)
-  if not isinstance(tiers, Mapping) or not tiers:
-    raise TypeError('`tiers` must be a non-empty mapping from tier name (a str) to '
-                    'skewadam_jax.Tier, e.g. sj.PUBLISHED_TIERS or {\'backbone\': sj.Tier(), '
-                    f'...}}, or None for sj.PUBLISHED_TIERS; got {type(tiers).__name__} '
-                    f'{tiers!r}.')
-  for name, tier in tiers.items():
-    if not isinstance(name, str):
-      raise TypeError(f'`tiers` keys must be strings (tier names), got {name!r}.')
-    if not isinstance(tier, Tier):
-      raise TypeError(f'`tiers[{name!r}]` must be a skewadam_jax.Tier, got '
-                      f'{type(tier).__name__}.')
-  return dict(tiers)
 
 
 def _for_leaf(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
@@ -511,7 +275,7 @@ def scale_by_tiers(
     Where Should Optimizer State Live? Tiered State Allocation for Memory-Efficient
     Mixture-of-Experts Training, arXiv 2607.19058.
   """
-  tiers = check_tiers(tiers)
+  tiers = _presets.check_tiers(tiers)
 
   def labels_of(tree: Any) -> list[str]:
     labels = _labels.resolve_labels(tree, param_labels)

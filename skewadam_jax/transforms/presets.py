@@ -1,0 +1,90 @@
+"""The tier policies: which `Tier` each group of parameters gets.
+
+`PUBLISHED_TIERS` is the policy of the SkewAdam paper: the dense backbone keeps
+momentum and a factored second moment, the expert bank only a factored second moment
+per expert, the router an exact one. The others are ours. `ADAM_EPS_TIERS`: the same
+tiers with Adam's additive eps and an fp32 router momentum, which train well at AdamW's
+own learning rate (the published floor wants a larger one) for 2% more state.
+`ADAM_ROUTER_TIERS`: the published backbone and experts with that router alone, at the
+published tiers' learning rate. `MUON_TIERS`: Muon's orthogonalised momentum on the
+hidden matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+from skewadam_jax.estimators import factored as _factored
+from skewadam_jax.estimators import orthogonal as _orthogonal
+
+from skewadam_jax.transforms.tier import Tier
+
+PUBLISHED_TIERS: Mapping[str, Tier] = {
+    'backbone': Tier(momentum=True, second_moment='factored'),
+    'experts': Tier(momentum=False, second_moment='factored'),
+    'router': Tier(momentum=False, second_moment='exact', apply_weight_decay=False),
+}
+
+# Beyond the paper: with tiny expert and router gradients (RMS ~1e-5 at init) the
+# published eps floor sets their denominators and damps their updates, so the published
+# tiers want a larger lr than Adam's, and a router without momentum learns slowly.
+# Additive eps and an fp32 router momentum (a [d, E] kernel: a few KB) make AdamW's lr
+# work; the tiers and their state are otherwise the published ones.
+ADAM_EPS_TIERS: Mapping[str, Tier] = {
+    'backbone': Tier(momentum=True, second_moment='factored', eps_mode='adam'),
+    'experts': Tier(momentum=False, second_moment='factored', eps_mode='adam'),
+    'router': Tier(momentum=True, second_moment='exact', eps_mode='adam',
+                   apply_weight_decay=False),
+}
+
+# The published floor slows the router most: its gradients are the smallest, and while
+# the router weights are small, noise-free top-k leaves many experts without tokens. An
+# Adam router (additive eps, fp32 momentum) on the published backbone and experts keeps
+# the published lr and ends that dead-expert phase sooner, for one router-sized buffer.
+ADAM_ROUTER_TIERS: Mapping[str, Tier] = {
+    'backbone': PUBLISHED_TIERS['backbone'],
+    'experts': PUBLISHED_TIERS['experts'],
+    'router': PUBLISHED_TIERS['router'].replace(momentum=True, eps_mode='adam'),
+}
+
+
+# Muon (Jordan et al. 2024) on the backbone's hidden matrices: the fp32 momentum the
+# published backbone already keeps is exactly Muon's state, and orthogonalising it
+# replaces the factored second moment (no statistics). Nesterov and b1 = 0.95 as in
+# Muon; the update RMS is matched to Adam's (0.2), so one learning rate serves every
+# tier. The experts keep no state at all: each expert's gradient is orthogonalised on
+# its own (per batch slice), which beat the published factored expert tier in the
+# quality sweep (benchmarks/quality.py, 2000 steps, each at its best lr); a per-expert
+# vector with no matrix to orthogonalise gets the factored tier's exact estimate.
+# Embeddings, heads and norms keep the published backbone tier, the router the Adam
+# router of ADAM_ROUTER_TIERS. The tier names: `hidden_param_labels` labels the hidden
+# matrices `hidden`, and `skewadam` uses it when the tiers have a `hidden` tier.
+MUON_TIERS: Mapping[str, Tier] = {
+    'backbone': PUBLISHED_TIERS['backbone'],
+    'hidden': Tier(momentum=True, nesterov=True, b1=0.95, second_moment='orthogonal',
+                   clip_threshold=None),
+    'experts': Tier(momentum=False,
+                    second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
+                    clip_threshold=None),
+    'router': ADAM_ROUTER_TIERS['router'],
+}
+
+
+
+def check_tiers(tiers: Any) -> dict[str, Tier]:
+  """`tiers` as a dict (None: `PUBLISHED_TIERS`); raises unless it maps names to Tiers."""
+  if tiers is None:
+    return dict(PUBLISHED_TIERS)
+  if not isinstance(tiers, Mapping) or not tiers:
+    raise TypeError('`tiers` must be a non-empty mapping from tier name (a str) to '
+                    'skewadam_jax.Tier, e.g. sj.PUBLISHED_TIERS or {\'backbone\': sj.Tier(), '
+                    f'...}}, or None for sj.PUBLISHED_TIERS; got {type(tiers).__name__} '
+                    f'{tiers!r}.')
+  for name, tier in tiers.items():
+    if not isinstance(name, str):
+      raise TypeError(f'`tiers` keys must be strings (tier names), got {name!r}.')
+    if not isinstance(tier, Tier):
+      raise TypeError(f'`tiers[{name!r}]` must be a skewadam_jax.Tier, got '
+                      f'{type(tier).__name__}.')
+  return dict(tiers)

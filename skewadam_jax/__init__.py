@@ -67,8 +67,8 @@ from skewadam_jax.integrations.checkpoint import checkpoint_mismatches
 from skewadam_jax.integrations.checkpoint import relayout_state
 from skewadam_jax.integrations.checkpoint import saved_layout_target
 # AdamPM's pooling, to analyse a second moment as AdamPM sees it.
-from skewadam_jax.estimators.grouped import expand_groups
-from skewadam_jax.estimators.grouped import groupmean
+from skewadam_jax.estimators.pooling import expand_groups
+from skewadam_jax.estimators.pooling import groupmean
 # bf16 weights: unbiased stochastic rounding of the update.
 from skewadam_jax.transforms.rounding import apply_updates_stochastic
 from skewadam_jax.transforms.rounding import stochastic_round

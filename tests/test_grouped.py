@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.estimators import pooling as _pooling
 from reference import RefAdamPM, leaf_axis, ref_expand, ref_groupmean
 from trees import init_params, make_grads_fn, nest, run_optax
 
@@ -27,7 +27,7 @@ def test_groupmean_and_expand_match_reference(shape, axis, s):
   ax = axis % len(shape)
   got = sj.groupmean(jnp.asarray(x), s, ax)
   want = ref_groupmean(x, s, ax)
-  assert got.shape == want.shape == _grouped.grouped_shape(shape, s, ax)
+  assert got.shape == want.shape == _pooling.grouped_shape(shape, s, ax)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(sj.expand_groups(got, s, ax, shape[ax]),
                              ref_expand(want, s, ax, shape[ax]), rtol=1e-5, atol=1e-7)
@@ -141,7 +141,7 @@ def test_groupmean_and_expand_groups_take_negative_axes(axis):
   ax = axis % x.ndim
   pooled = sj.groupmean(x, 4, axis)
   np.testing.assert_array_equal(pooled, sj.groupmean(x, 4, ax))
-  assert pooled.shape == _grouped.grouped_shape(x.shape, 4, ax)
+  assert pooled.shape == _pooling.grouped_shape(x.shape, 4, ax)
   np.testing.assert_array_equal(sj.expand_groups(pooled, 4, axis, x.shape[ax]),
                                 sj.expand_groups(pooled, 4, ax, x.shape[ax]))
   with pytest.raises(ValueError, match=r'`axis`=3 is out of range .* -3\.\.2'):

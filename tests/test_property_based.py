@@ -21,7 +21,7 @@ from hypothesis import example, given, HealthCheck, settings
 from hypothesis import strategies as st
 
 import skewadam_jax as sj
-from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.estimators import pooling as _pooling
 from skewadam_jax.transforms import tier as _tier
 from reference import leaf_axis, RefAdamPM, ref_expand, ref_groupmean, RefTier
 
@@ -216,7 +216,7 @@ def test_groupmean_and_expand_match_reference(drawn):
   ax = leaf_axis(len(shape), axis)
   pooled = jax.jit(functools.partial(sj.groupmean, group_size=s, axis=ax))(x)
   want = ref_groupmean(x.astype(np.float64), s, ax)
-  assert pooled.shape == _grouped.grouped_shape(shape, s, ax) == want.shape
+  assert pooled.shape == _pooling.grouped_shape(shape, s, ax) == want.shape
   np.testing.assert_allclose(pooled, want, rtol=1e-5, atol=1e-6)
   n = shape[ax] if ax is not None else 1
   expanded = sj.expand_groups(pooled, s, ax, n)

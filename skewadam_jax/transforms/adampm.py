@@ -20,6 +20,7 @@ import optax
 
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.estimators import pooling as _pooling
 from skewadam_jax.transforms import per_leaf as _per_leaf
 from skewadam_jax.estimators import base as _second_moment
 
@@ -83,7 +84,7 @@ def scale_by_grouped_second_moment(
     AdamPM: Adam with a pooled second moment (Beihang University preprint).
     Kingma & Ba, Adam: A Method for Stochastic Optimization, 2015.
   """
-  group_axis, axis_arg = _grouped.pooled_axis(axis, group_axis,
+  group_axis, axis_arg = _pooling.pooled_axis(axis, group_axis,
                                               'scale_by_grouped_second_moment')
   return grouped_adam(b1, b2, eps, eps_root, mu_dtype, group_size, group_axis, nu_dtype,
                       axis_arg)

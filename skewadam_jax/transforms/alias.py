@@ -11,7 +11,7 @@ import optax
 from skewadam_jax.transforms import adampm as _adampm
 from skewadam_jax.structure import axes as _axes
 from skewadam_jax.core import checks as _checks
-from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.estimators import pooling as _pooling
 from skewadam_jax.structure import hidden as _hidden
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.transforms import presets as _presets
@@ -242,7 +242,7 @@ def adampm(
   """
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
-  group_axis, axis_arg = _grouped.pooled_axis(axis, group_axis, 'adampm')
+  group_axis, axis_arg = _pooling.pooled_axis(axis, group_axis, 'adampm')
   return optax.chain(
       _adampm.grouped_adam(b1, b2, eps, eps_root, mu_dtype, group_size, group_axis,
                            nu_dtype, axis_arg),

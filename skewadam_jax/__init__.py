@@ -64,8 +64,8 @@ from skewadam_jax.integrations.sharding import state_shardings
 # Checkpoints: does a saved state match the optimizer's (before restoring it)?
 from skewadam_jax.integrations.checkpoint import check_checkpoint_matches
 from skewadam_jax.integrations.checkpoint import checkpoint_mismatches
-from skewadam_jax.integrations.checkpoint import relayout_state
-from skewadam_jax.integrations.checkpoint import saved_layout_target
+from skewadam_jax.integrations.relayout import relayout_state
+from skewadam_jax.integrations.relayout import saved_layout_target
 # AdamPM's pooling, to analyse a second moment as AdamPM sees it.
 from skewadam_jax.estimators.pooling import expand_groups
 from skewadam_jax.estimators.pooling import groupmean

@@ -409,7 +409,7 @@ def test_long_mismatch_lists_are_cut_with_a_count():
   saved = jax.eval_shape(sj.adampm(1e-2, group_size=8).init, params)
   want = jax.eval_shape(sj.adampm(1e-2, group_size=4).init, params)
   lines = sj.checkpoint_mismatches(want, saved)
-  assert len(lines) == sj.integrations.checkpoint.MAX_LISTED + 1 and lines[-1] == '... and 4 more'
+  assert len(lines) == sj.integrations.saved_tree.MAX_LISTED + 1 and lines[-1] == '... and 4 more'
 
 
 # ----------------------------------------------------------------------------- examples

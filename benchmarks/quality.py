@@ -28,8 +28,13 @@ One JSON per run, `<out>/runs/<optimizer>_lr<lr>_seed<seed>_steps<steps>.json`,
 written atomically when the run ends. A run whose JSON exists and is complete is
 skipped, so an interrupted sweep resumes where it stopped, whenever it is run
 again; a JSON made with other settings (preset, batch, schedule, evaluation) stops the
-sweep instead of being mixed in. After the runs (or alone, with `--report-only`) every
-complete run JSON of this `--preset` and `--steps` under `--out` is read back into:
+sweep instead of being mixed in. `--archive` packs the complete run JSONs into one
+`<out>/runs.json.gz` and deletes them: every field the report reads is kept, the
+per-step training history is thinned to every `HISTORY_EVERY`-th step (a 2000-step run's
+JSON is 200 kB, the archive of the 121 committed runs 1.2 MB). The sweep and the report read
+an archived run as they read its JSON (a JSON under `runs/` wins over the archived run of
+the same name). After the runs (or alone, with `--report-only`) every complete run of
+this `--preset` and `--steps` under `--out` is read back into:
 
 * `report_steps<N>.md` and `.json`: per optimizer its best lr (the first seed
   nominates it; lrs with 3 or more seeds compete on the seeds they share), the final
@@ -55,6 +60,7 @@ complete run JSON of this `--preset` and `--steps` under `--out` is read back in
   python benchmarks/quality.py --seeds 0          # seed 0 of every (optimizer, lr) first
   python benchmarks/quality.py --refine --seeds 0  # one midpoint lr per optimizer
   python benchmarks/quality.py --report-only      # report what has finished so far
+  python benchmarks/quality.py --archive          # pack the runs into runs.json.gz, report
   python benchmarks/quality.py --preset tiny --steps 20 --lrs 1e-3 --seeds 0 \\
       --optimizers adamw skewadam --eval-every 10 --out /tmp/quality   # smoke test
 """
@@ -63,8 +69,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -145,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
               help='output directory (run JSONs under <out>/runs, the report beside them)')
   _cli.option(p, '--report-only', action='store_true',
               help='train nothing: report the complete run JSONs already under --out')
+  _cli.option(p, '--archive', action='store_true',
+              help=f'train nothing: pack the complete run JSONs under <out>/runs into '
+                   f'<out>/{ARCHIVE} (history every {HISTORY_EVERY}th step), delete them, '
+                   'and report')
   _cli.option(p, '--refine', action='store_true',
               help='instead of the grid, run each optimizer once (first of --seeds) at the '
                    'geometric midpoint of its best lr so far and the better neighbour')
@@ -233,18 +245,23 @@ def _comparable(tc: train_lib.TrainConfig) -> dict[str, Any]:
   return d
 
 
-def run_status(path: Path, tc: train_lib.TrainConfig) -> tuple[str, str]:
+def run_status(path: Path, tc: train_lib.TrainConfig,
+               archived: Optional[dict[str, dict[str, Any]]] = None) -> tuple[str, str]:
   """`('done' | 'missing' | 'partial' | 'mismatch', why)` of a run's JSON.
 
   Partial (unreadable, or not marked complete) runs are rerun; a complete run made
   with other settings is a mismatch, which the sweep refuses to overwrite or mix in.
+  A run without a JSON is looked up in `archived` (`read_archive`'s, by run name).
   """
   if not path.exists():
-    return 'missing', ''
-  try:
-    record = json.loads(path.read_text())
-  except (OSError, json.JSONDecodeError) as e:
-    return 'partial', f'unreadable ({e})'
+    if archived is None or path.stem not in archived:
+      return 'missing', ''
+    record = archived[path.stem]
+  else:
+    try:
+      record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+      return 'partial', f'unreadable ({e})'
   if record.get('complete') is not True:
     return 'partial', 'not marked complete'
   saved = dict(record.get('config', {}))
@@ -262,10 +279,11 @@ def sweep(args: argparse.Namespace, run_dir: Path) -> None:
   runs = (refinement_plan(args, load_runs(run_dir, args.preset, args.steps))
           if args.refine else plan(args))
   todo = []
+  archived = read_archive(run_dir)
   for run in runs:
     tc = train_config(args, run)
     path = run_dir / f'{run.name}.json'
-    status, why = run_status(path, tc)
+    status, why = run_status(path, tc, archived)
     if status == 'mismatch':
       raise SystemExit(f'{path} was made with other settings ({why}); use another --out '
                        'or the settings it was made with.')
@@ -298,14 +316,73 @@ def sweep(args: argparse.Namespace, run_dir: Path) -> None:
 # ----------------------------------------------------------------------------- report
 
 
-def load_runs(run_dir: Path, preset: str, steps: int) -> list[dict[str, Any]]:
-  """The complete run JSONs of `preset` at `steps` under `run_dir`."""
-  records = []
+ARCHIVE = 'runs.json.gz'  # beside the `runs/` directory: `{run name: record}`
+HISTORY_EVERY = 10  # steps between the archived history's entries (the report reads none)
+
+
+def archive_path(run_dir: Path) -> Path:
+  return run_dir.parent / ARCHIVE
+
+
+def read_archive(run_dir: Path) -> dict[str, dict[str, Any]]:
+  """The archived run records (`--archive`) beside `run_dir`, by run name; {} if none."""
+  path = archive_path(run_dir)
+  if not path.exists():
+    return {}
+  with gzip.open(path, 'rt') as f:
+    return json.load(f)
+
+
+def thin_history(record: dict[str, Any], every: int = HISTORY_EVERY) -> dict[str, Any]:
+  """`record` with its per-step history kept at every `every`-th step and the last."""
+  history = record.get('history')
+  if not history:
+    return record
+  n = len(history['step'])
+  keep = sorted(set(range(0, n, every)) | {n - 1})
+  return dict(record, history={k: [v[i] for i in keep] for k, v in history.items()},
+              history_every=every)
+
+
+def archive_runs(run_dir: Path) -> list[Path]:
+  """Packs the complete run JSONs under `run_dir` into `archive_path(run_dir)` (merged
+  with what it holds, a JSON replacing the archived run of its name), thinning each
+  history, then deletes the packed JSONs; returns them. Partial runs stay."""
+  archived = read_archive(run_dir)
+  packed = []
   for path in sorted(run_dir.glob('*.json')):
     try:
       r = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
       continue
+    if r.get('complete') is True:
+      archived[path.stem] = thin_history(r)
+      packed.append(path)
+  if not packed:
+    return []
+  out = archive_path(run_dir)
+  tmp = out.with_name(out.name + '.tmp')
+  # mtime=0: the same runs give the same bytes (no timestamp in the gzip header).
+  with open(tmp, 'wb') as raw, gzip.GzipFile(fileobj=raw, mode='wb', mtime=0) as f:
+    f.write(json.dumps(dict(sorted(archived.items())), separators=(',', ':')).encode())
+  os.replace(tmp, out)  # readers see the old archive or the whole new one
+  for path in packed:
+    path.unlink()
+  return packed
+
+
+def load_runs(run_dir: Path, preset: str, steps: int) -> list[dict[str, Any]]:
+  """The complete runs of `preset` at `steps`: the JSONs under `run_dir` and the
+  archived runs beside it (a JSON wins over the archived run of its name), by name."""
+  by_name = read_archive(run_dir)
+  for path in sorted(run_dir.glob('*.json')):
+    try:
+      by_name[path.stem] = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+      continue
+  records = []
+  for name in sorted(by_name, key=lambda n: f'{n}.json'):  # the order of the files
+    r = by_name[name]
     if (r.get('complete') is True and r['config']['preset'] == preset
         and r['config']['steps'] == steps):
       records.append(r)
@@ -463,8 +540,9 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
   lines = [
       f'## Optimizer sweep: `{args.preset}` MoE LM, {args.steps} steps x '
       f'{r0["timing"]["tokens_per_step"]:,} tokens', '',
-      f'{len(records)} complete runs under `{args.out}/runs` ({wall / 60:.1f} min of '
-      f'training in all); data: {data_lib.portable_summary(r0["data"])}  ',
+      f'{len(records)} complete runs (JSONs under `{args.out}/runs`, or archived in '
+      f'`{args.out}/{ARCHIVE}`); {wall / 60:.1f} min of '
+      f'training in all; data: {data_lib.portable_summary(r0["data"])}  ',
       f'Schedule: {r0["config"]["warmup"]} warmup steps then cosine to 0, clip 1.0, '
       f'weight decay {r0["config"]["weight_decay"]}; validation every '
       f'{r0["config"]["eval_every"]} steps on {r0["config"]["eval_batches"]} fixed '
@@ -763,7 +841,8 @@ def report(args: argparse.Namespace, out: Path) -> str:
   markdown report (and its JSON and plots)."""
   records = load_runs(out / 'runs', args.preset, args.steps)
   if not records:
-    return f'No complete run of `{args.preset}` at {args.steps} steps under {out / "runs"}.'
+    return (f'No complete run of `{args.preset}` at {args.steps} steps under {out / "runs"} '
+            f'or in {out / ARCHIVE}.')
   rows = summarize(records)
   text = '\n'.join([report_markdown(rows, records, args), '',
                     *dead_experts_markdown(rows, records, args.steps)]).rstrip()
@@ -793,11 +872,14 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
   args = parse_args(argv)
   out = Path(args.out)
   start = time.perf_counter()
-  if not args.report_only:
+  if args.archive:
+    packed = archive_runs(out / 'runs')
+    print(f'archived {len(packed)} run JSONs into {archive_path(out / "runs")}')
+  elif not args.report_only:
     sweep(args, out / 'runs')
   text = report(args, out)
   print(text)
-  if not args.report_only:
+  if not (args.report_only or args.archive):
     print(f'({(time.perf_counter() - start) / 60:.1f} min in this invocation)')
   return text
 

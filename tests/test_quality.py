@@ -164,6 +164,44 @@ def test_report_picks_the_best_lr_by_the_mean_over_seeds(tmp_path):
   assert (tmp_path / 'memory_steps100.png').read_bytes()[:8] == PNG
 
 
+def test_archived_runs_report_as_their_jsons_and_are_not_rerun(tmp_path):
+  """`--archive` packs the run JSONs into one `runs.json.gz` (history thinned) and
+  deletes them: the report is the same, and the sweep counts archived runs as done."""
+  args = quality.parse_args(['--preset', 'tiny', '--steps', '100'])
+  for i, (name, lr, seed, loss) in enumerate([('adamw', 1e-3, 0, 2.0), ('adamw', 3e-3, 0, 2.1),
+                                              ('skewadam', 1e-3, 0, 1.9)]):
+    r = _fake_record(name, lr, seed, loss)
+    r['config'] = quality._comparable(quality.train_config(args, quality.Run(name, lr, seed,
+                                                                             100)))
+    r['history'] = {'step': list(range(100)), 'loss': [float(i + s) for s in range(100)]}
+    path = tmp_path / 'runs' / f'{quality.Run(**r["sweep"]).name}.json'
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(r))
+  partial = tmp_path / 'runs' / 'adamw_lr0.01_seed0_steps100.json'
+  partial.write_text('{"config": {')
+  argv = ['--preset', 'tiny', '--steps', '100', '--out', str(tmp_path)]
+  before = quality.main(argv + ['--report-only'])
+  rows = (tmp_path / 'report_steps100.json').read_text()
+
+  after = quality.main(argv + ['--archive'])
+  assert sorted(p.name for p in (tmp_path / 'runs').iterdir()) == [partial.name]
+  assert json.loads((tmp_path / 'report_steps100.json').read_text())['rows'] == \
+      json.loads(rows)['rows']
+  assert after.split('\n')[3:] == before.split('\n')[3:]  # all but the "runs under" line
+  archived = quality.read_archive(tmp_path / 'runs')
+  history = archived['adamw_lr0.001_seed0_steps100']['history']
+  assert history['step'] == list(range(0, 100, quality.HISTORY_EVERY)) + [99]
+  for name in archived:
+    tc = quality.train_config(args, quality.Run(**archived[name]['sweep']))
+    assert quality.run_status(tmp_path / 'runs' / f'{name}.json', tc, archived) == ('done', '')
+  # A JSON written after the archive wins over the archived run of its name.
+  r = dict(archived['skewadam_lr0.001_seed0_steps100'], final={'loss': 1.5})
+  (tmp_path / 'runs' / 'skewadam_lr0.001_seed0_steps100.json').write_text(json.dumps(r))
+  losses = {x['sweep']['optimizer']: x['final']['loss']
+            for x in quality.load_runs(tmp_path / 'runs', 'tiny', 100) if x['sweep']['lr'] == 1e-3}
+  assert losses == {'adamw': 2.0, 'skewadam': 1.5}
+
+
 def test_best_lr_is_picked_on_the_seeds_every_lr_has_run():
   # Seed 0 ran at both lrs and prefers 3e-3; seeds 1 and 2 ran at 1e-3 only. The 3-seed
   # mean at 1e-3 (1.90) is below 3e-3's single run (1.97), but the choice is made on

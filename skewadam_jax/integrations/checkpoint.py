@@ -108,7 +108,9 @@ def check_checkpoint_matches(target: Any, metadata: Any, *, source: str = 'the c
 
   Call it before `restore`: it turns a checkpoint written by another optimizer (or
   tier policy, labels, group size, state dtype) into an error that says which, rather
-  than Orbax's tree-structure error and its `partial_restore=True` hint.
+  than Orbax's tree-structure error and its `partial_restore=True` hint, or, when the
+  target has fewer leaves than the checkpoint (a tier that keeps fewer slots), rather
+  than Orbax's silent restore of the target's leaves only.
 
   Args:
     target: the restore target (see `checkpoint_mismatches`).

@@ -319,8 +319,8 @@ def test_learning_rate_of_the_wrong_type_names_the_argument(make):
 
 def test_memory_report_of_something_not_an_optimizer_names_tx():
   with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation .*got "
-                                      r"str 'adam'"), pytest.deprecated_call():
-    sj.memory_report(PARAMS, 'adam')  # the order before memory_report(tx, params)
+                                      r"dict \{"):
+    sj.memory_report(PARAMS, 'adam')
   with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation .*got "
                                       r"str 'adam'"):
     sj.memory_report('adam', PARAMS)
@@ -394,15 +394,19 @@ def test_label_table_checks_each_tier():
 @pytest.mark.parametrize('call,right', [
     (lambda tx: sj.optimizer_state_bytes(PARAMS, tx), 'sj.optimizer_state_bytes(tx, params)'),
     (lambda tx: sj.label_table(PARAMS, tx), 'sj.label_table(tx, params)'),
+    (lambda tx: sj.memory_report(PARAMS, tx), 'sj.memory_report(tx, params)'),
     (lambda tx: sj.state_shardings(PARAMS, tx, None),
      'sj.state_shardings(tx, params, param_shardings)'),
     (lambda tx: sj.sharded_abstract_state(PARAMS, tx, None),
      'sj.sharded_abstract_state(tx, params, param_shardings)'),
 ])
 def test_swapped_optimizer_and_params_say_the_right_order(call, right):
+  # Every report refuses the swapped order alike: one TypeError, no warning first and
+  # no report of the swapped arguments.
   with pytest.raises(TypeError, match=r'`tx` must be an optax.GradientTransformation .*got '
                                       r'dict where `tx` goes .*wrong order, call '
-                                      + re.escape(f'`{right}`')):
+                                      + re.escape(f'`{right}`')), warnings.catch_warnings():
+    warnings.simplefilter('error')
     call(sj.skewadam(1e-3))
 
 

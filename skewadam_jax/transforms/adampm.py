@@ -139,7 +139,10 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
     return u, {'mu': mu, 'nu': nu32.astype(nu.dtype)}
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args  # unused; accepted so that the transform chains like optax's
+    del extra_args  # unused; accepted so that the transform chains like optax's
+    _checks.check_update_order(updates, state, params,
+                               lambda s: isinstance(s, GroupedSecondMomentState),
+                               'sj.scale_by_grouped_second_moment')
     leaves = _per_leaf.Leaves.of(updates)
     rows = leaves.read(state, ('mu', 'nu'))
     count, t = _per_leaf.next_count(state.count)

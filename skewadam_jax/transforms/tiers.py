@@ -181,9 +181,10 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
 
 
 def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[str]],
-                     b1: Any, b2: Any, eps: Any, batch_axes: Any
+                     b1: Any, b2: Any, eps: Any, batch_axes: Any, name: str
                      ) -> optax.GradientTransformationExtraArgs:
-  """The tiers' rules on the leaves `labels_of(tree)` assigns them (one label per leaf)."""
+  """The tiers' rules on the leaves `labels_of(tree)` assigns them (one label per leaf);
+  `name` is the public transform's, for errors."""
   _checks.check_beta('b1', b1)
   _checks.check_beta('b2', b2)
   _checks.check_non_negative('eps', eps)
@@ -213,6 +214,8 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # unused; accepted so that the transform chains like optax's
+    _checks.check_update_order(updates, state, params,
+                               lambda s: isinstance(s, TieredAdamState), name)
     leaves = _per_leaf.Leaves.of(updates)
     leaf_tiers, axes = setup(updates, leaves)
     rows = leaves.read(state, FIELDS)
@@ -281,7 +284,7 @@ def scale_by_tiers(
     labels = _labels.resolve_labels(tree, param_labels)
     return jax.tree_util.tree_leaves(_labels.expand_labels(tree, labels, tiers))
 
-  return _tiers_transform(tiers, labels_of, b1, b2, eps, batch_axes)
+  return _tiers_transform(tiers, labels_of, b1, b2, eps, batch_axes, 'sj.scale_by_tiers')
 
 
 def scale_by_tiered_adam(
@@ -344,4 +347,4 @@ def scale_by_tiered_adam(
                     f'{tier!r}; build one with sj.Tier(...) or pass tier options as keywords.')
   tier = (tier or Tier()).replace(**tier_options)
   return _tiers_transform({'tier': tier}, lambda tree: ['tier'] * len(
-      jax.tree_util.tree_leaves(tree)), b1, b2, eps, batch_axes)
+      jax.tree_util.tree_leaves(tree)), b1, b2, eps, batch_axes, 'sj.scale_by_tiered_adam')

@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import skewadam_jax as sj
@@ -46,3 +47,64 @@ def test_swapped_state_and_params_name_both_and_the_right_order(name, jit):
     update(PARAMS, PARAMS)  # the params given as the state
   updates, _ = update(PARAMS, state, PARAMS)  # the right order still runs
   assert jax.tree.structure(updates) == jax.tree.structure(PARAMS)
+
+
+# ---------------------------------------------------------------------------------------
+# The dtype of the updates: optax.adamw's on the same inputs.
+
+# Every tier of every policy, and the estimators and first-moment rules none of them has.
+TIERS = {f'{policy}/{name}': tier for policy, tiers in [
+    ('published', sj.PUBLISHED_TIERS), ('adam_eps', sj.ADAM_EPS_TIERS),
+    ('adam_router', sj.ADAM_ROUTER_TIERS), ('muon', sj.MUON_TIERS)]
+         for name, tier in tiers.items()}
+TIERS.update({'grouped': sj.Tier(second_moment='grouped', group_size=2),
+              'exact_no_momentum': sj.Tier(momentum=False, second_moment='exact'),
+              'nesterov_bf16_mu': sj.Tier(nesterov=True, mu_dtype=jnp.bfloat16)})
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+# A leaf of every rank: matrices, a stack of them, a vector and a scalar.
+SHAPES = {'w': (6, 4), 'stack': (2, 4, 6), 'bias': (4,), 'scale': ()}
+
+
+def _update_dtypes(tx, grad_dtype, param_dtype, shapes=SHAPES):
+  """The dtype of each leaf's update, from an abstract trace of `init` and `update`."""
+  params = {k: jax.ShapeDtypeStruct(s, param_dtype) for k, s in shapes.items()}
+  grads = {k: jax.ShapeDtypeStruct(s, grad_dtype) for k, s in shapes.items()}
+  state = jax.eval_shape(tx.init, params)
+  updates, _ = jax.eval_shape(tx.update, grads, state, params)
+  return {k: jnp.dtype(u.dtype) for k, u in updates.items()}
+
+
+@pytest.mark.parametrize('param_dtype', DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize('grad_dtype', DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize('tier', tuple(TIERS))
+def test_every_tier_updates_in_adamws_dtype(tier, grad_dtype, param_dtype):
+  # bfloat16 gradients on float32 parameters: float32 updates, as AdamW's.
+  shapes = SHAPES
+  if isinstance(TIERS[tier].estimator, sj.Orthogonal):  # matrices only
+    shapes = {k: s for k, s in SHAPES.items() if len(s) >= 2}
+  for weight_decay in (0.0, 0.1):  # decay adds the parameter, which promotes in adamw
+    tx = sj.skewadam(1e-3, weight_decay=weight_decay, tiers={'t': TIERS[tier]},
+                     param_labels=lambda tree: jax.tree.map(lambda _: 't', tree))
+    want = _update_dtypes(optax.adamw(1e-3, weight_decay=weight_decay), grad_dtype,
+                          param_dtype, shapes)
+    assert _update_dtypes(tx, grad_dtype, param_dtype, shapes) == want
+
+
+@pytest.mark.parametrize('param_dtype', DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize('grad_dtype', DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_adampm_updates_in_adamws_dtype(grad_dtype, param_dtype):
+  want = _update_dtypes(optax.adamw(1e-3), grad_dtype, param_dtype)
+  assert _update_dtypes(sj.adampm(1e-3, group_size=2), grad_dtype, param_dtype) == want
+  # The state's storage dtype is not the update's (as in every tier).
+  for dtype in (jnp.float32, jnp.bfloat16):
+    tx = sj.adampm(1e-3, group_size=2, mu_dtype=dtype, nu_dtype=dtype)
+    assert _update_dtypes(tx, grad_dtype, param_dtype) == want
+
+
+def test_bfloat16_gradients_of_the_moe_tree_update_in_float32():
+  """The default labels (backbone, experts, router) on float32 params: every update is
+  float32, as AdamW's, not only the tiers that weight decay promotes."""
+  grads = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+  for tx in (sj.skewadam(1e-3, weight_decay=0.1), sj.adampm(1e-3, weight_decay=0.1)):
+    updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+    assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(jnp.float32)}

@@ -196,7 +196,6 @@ def check_transform(tx: Any, other: Any = None, call: str = '') -> None:
   raise TypeError(f'{message} {_short_repr(tx)}.')
 
 
-
 def check_update_order(updates: Any, state: Any, params: Any,
                        is_state: Callable[[Any], bool], where: str) -> None:
   """Raises a TypeError naming `state` and `params` if `tx.update` got them swapped.

@@ -121,9 +121,10 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
     return GroupedSecondMomentState(_per_leaf.zero_count(), **leaves.fields(
         rows, ('mu', 'nu'), specs_of(leaves)))
 
-  def update_leaf(path: str, g: jax.Array, row: dict[str, Any], bc1: jax.Array,
+  def update_leaf(path: str, g: jax.Array, p: Any, row: dict[str, Any], bc1: jax.Array,
                   bc2: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
     mu, nu = row['mu'], row['nu']
+    dtype = _per_leaf.update_dtype(g, p)  # adamw's: the gradient's promoted with p's
     # At trace time: a gradient of another shape would broadcast into the update.
     _checks.check_grad_shape(path, tuple(g.shape), mu.shape, 'its momentum')
     g32 = g.astype(jnp.float32)
@@ -135,7 +136,7 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
     nu32, _ = estimator.accumulate(nu, g32, b2, path)
     nu_hat = nu32 / bc2 + eps_root if add_root else nu32 / bc2
     denom = estimator.expand(jnp.sqrt(nu_hat) + eps, tuple(g.shape), path)
-    u = ((mu.astype(jnp.float32) / bc1) / denom).astype(g.dtype)
+    u = ((mu.astype(jnp.float32) / bc1) / denom).astype(dtype)
     return u, {'mu': mu, 'nu': nu32.astype(nu.dtype)}
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -148,8 +149,9 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
     count, t = _per_leaf.next_count(state.count)
     bc1 = _per_leaf.bias_correction(b1, t)
     bc2 = _per_leaf.bias_correction(b2, t)
-    out = [update_leaf(path, g, row, bc1, bc2)
-           for path, g, row in zip(leaves.paths, leaves.arrays, rows)]
+    out = [update_leaf(path, g, p, row, bc1, bc2)
+           for path, g, p, row in zip(leaves.paths, leaves.arrays,
+                                      _per_leaf.param_leaves(leaves, params), rows)]
     return leaves.unflatten([u for u, _ in out]), GroupedSecondMomentState(
         count, **leaves.fields([new for _, new in out], ('mu', 'nu')))
 

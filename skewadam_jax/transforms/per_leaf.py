@@ -117,6 +117,31 @@ class Leaves:
     return [dict(zip(names, row)) for row in zip(*columns)] if columns else []
 
 
+def param_leaves(leaves: Leaves, params: Any) -> list[Any]:
+  """`params`' leaves beside the updates' (None each if not given or not alike)."""
+  if params is not None:
+    try:
+      return _flax.flatten_like(leaves.treedef, leaves.tree, params)
+    except (ValueError, TypeError):  # not the updates' structure: checked by the state
+      pass
+  return [None] * len(leaves.paths)
+
+
+def update_dtype(grad: Any, param: Any = None) -> Any:
+  """The dtype of a leaf's update: `optax.adamw`'s on the same inputs.
+
+  AdamW's update is its new momentum over the square root of its new second moment,
+  both of which promote the gradient with the parameter's dtype (their dtype at
+  `init`): bfloat16 gradients on float32 parameters give float32 updates, bfloat16 on
+  bfloat16 bfloat16. Every rule computes in float32 and casts to this dtype once. Where
+  the state is stored in (`mu_dtype`, `nu_dtype`, `Tier.mu_dtype`) does not change it.
+  `param` (an array-like leaf or a Python number) is None where `update` got no params:
+  the gradient's dtype then.
+  """
+  dtypes = [_tree.abstract_leaf(x).dtype for x in (grad, param) if x is not None]
+  return jnp.result_type(*dtypes)
+
+
 def bias_correction(decay: Any, t: jax.Array) -> jax.Array:
   """`1 - decay^t` in float32 (`t` the step count as a float32 scalar)."""
   return 1.0 - jnp.asarray(decay, jnp.float32) ** t

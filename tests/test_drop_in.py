@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -108,3 +109,79 @@ def test_bfloat16_gradients_of_the_moe_tree_update_in_float32():
   for tx in (sj.skewadam(1e-3, weight_decay=0.1), sj.adampm(1e-3, weight_decay=0.1)):
     updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
     assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(jnp.float32)}
+
+
+# ---------------------------------------------------------------------------------------
+# Integer and boolean leaves in the params: accepted as optax.adamw accepts them.
+
+INTS = {'step': jnp.asarray(3, jnp.int32), 'buffer': jnp.arange(5, dtype=jnp.int32) * 1000,
+        'flag': jnp.asarray(True)}
+WITH_INTS = {**PARAMS, 'counters': INTS}
+# What each transform is checked against: adamw for the optimizers, its rule for ours.
+REFERENCES = {
+    'skewadam': lambda: (sj.skewadam(1e-3, weight_decay=0.1),
+                         optax.adamw(1e-3, weight_decay=0.1)),
+    'skewadam_no_decay': lambda: (sj.skewadam(1e-3), optax.adamw(1e-3, weight_decay=0.0)),
+    'adampm': lambda: (sj.adampm(1e-3, weight_decay=0.1), optax.adamw(1e-3, weight_decay=0.1)),
+    'scale_by_tiers': lambda: (sj.scale_by_tiers(None, None), optax.scale_by_adam()),
+    'scale_by_tiered_adam': lambda: (sj.scale_by_tiered_adam(), optax.scale_by_adam()),
+    'scale_by_grouped_second_moment': lambda: (sj.scale_by_grouped_second_moment(),
+                                               optax.scale_by_adam()),
+}
+
+
+def _counters(tree):
+  return tree['counters']
+
+
+@pytest.mark.parametrize('name', tuple(REFERENCES))
+def test_integer_leaves_update_as_adamw_does_and_keep_no_state(name):
+  tx, adamw = REFERENCES[name]()
+  # No state for the integer leaves: the state of the float leaves alone.
+  assert sj.state_bytes(tx.init(WITH_INTS)) == sj.state_bytes(tx.init(PARAMS))
+  ours, theirs = WITH_INTS, WITH_INTS
+  state, ref_state = tx.init(ours), adamw.init(theirs)
+  for _ in range(3):  # integer leaves have zero gradients (jax.grad gives float0)
+    grads = jax.tree.map(jnp.zeros_like, ours)
+    updates, state = jax.jit(tx.update)(grads, state, ours)
+    ref, ref_state = jax.jit(adamw.update)(grads, ref_state, theirs)
+    for u, r in zip(jax.tree.leaves(_counters(updates)), jax.tree.leaves(_counters(ref))):
+      assert u.dtype == r.dtype == jnp.float32
+      np.testing.assert_allclose(u, r, rtol=1e-6)  # XLA may fuse lr * wd * p otherwise
+    ours, theirs = optax.apply_updates(ours, updates), optax.apply_updates(theirs, ref)
+    for a, b in zip(jax.tree.leaves(_counters(ours)), jax.tree.leaves(_counters(theirs))):
+      assert a.dtype == b.dtype and a.dtype in (jnp.int32, jnp.bool_)
+      np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('name', ['skewadam', 'adampm'])
+def test_float0_gradients_of_integer_leaves_are_zero_gradients(name):
+  """`jax.grad(..., allow_int=True)` gives integer leaves float0 gradients (optax.adamw
+  raises on them): the same update as a zero gradient."""
+  tx, _ = REFERENCES[name]()
+  state = tx.init(WITH_INTS)
+  grads = jax.grad(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p) if x.dtype.kind == 'f'),
+                   allow_int=True)(WITH_INTS)
+  assert {g.dtype for g in jax.tree.leaves(_counters(grads))} == {jax.dtypes.float0}
+  updates, _ = tx.update(grads, state, WITH_INTS)
+  zeros, _ = tx.update(jax.tree.map(lambda g, p: jnp.zeros_like(p) if g.dtype ==
+                                    jax.dtypes.float0 else g, grads, WITH_INTS),
+                       state, WITH_INTS)
+  for u, z in zip(jax.tree.leaves(updates), jax.tree.leaves(zeros)):
+    np.testing.assert_array_equal(u, z)
+
+
+def test_reports_of_a_tree_with_integer_leaves():
+  tx = sj.skewadam(1e-3)
+  table = {r.path: r for r in sj.label_table(tx, WITH_INTS)}
+  for path in ('counters/step', 'counters/buffer', 'counters/flag'):
+    row = table[path]
+    assert (row.second_moment, row.state_bytes) == ('-', 0)
+    assert 'no state' in row.note and row.dtype in ('int32', 'bool')
+  report = sj.memory_report(tx, WITH_INTS)
+  assert report.total_state_bytes == sj.memory_report(tx, PARAMS).total_state_bytes
+  assert report.total_params == sj.memory_report(tx, PARAMS).total_params + 1 + 5 + 1
+  # AdamW keeps both moments of every leaf, the integer buffer's too (those of the 0-d
+  # leaves count as step counters).
+  adamw = sj.memory_report(optax.adamw(1e-3), WITH_INTS).total_state_bytes
+  assert adamw - sj.memory_report(optax.adamw(1e-3), PARAMS).total_state_bytes == 2 * 5 * 4

@@ -231,7 +231,7 @@ def test_label_tree_prefix_is_accepted():
 
 
 # ---------------------------------------------------------------------------------------
-# Leaf dtypes: complex and integer parameters.
+# Leaf dtypes: complex parameters (integer ones: tests/test_drop_in.py).
 
 ALL = {
     'skewadam': lambda: sj.skewadam(1e-3),
@@ -246,14 +246,6 @@ def test_complex_parameters_are_rejected_with_the_path(name):
   params = {'embed': jnp.zeros((6, 4)), 'phase': {'kernel': jnp.zeros((4, 4), jnp.complex64)}}
   with pytest.raises(TypeError, match=r'parameter phase/kernel has complex dtype complex64; '
                                       r'only real floating parameters are supported'):
-    ALL[name]().init(params)
-
-
-@pytest.mark.parametrize('name', tuple(ALL))
-def test_unmasked_integer_parameters_are_rejected_with_a_hint(name):
-  params = {'embed': jnp.zeros((6, 4)), 'step': jnp.zeros((), jnp.int32)}
-  with pytest.raises(TypeError, match=r'parameter step has non-floating dtype int32; mask '
-                                      r'integer or boolean leaves out'):
     ALL[name]().init(params)
 
 
@@ -288,24 +280,6 @@ def test_unknown_tier_option_is_a_type_error_with_a_suggestion():
   with pytest.raises(TypeError, match=r"Unknown Tier option\(s\) \['momentun'\] \(did you mean "
                                       r"'momentum'\?\)"):
     sj.scale_by_tiered_adam(momentun=False)
-
-
-def test_integer_leaf_error_gives_advice_that_works_for_skewadam():
-  params = {'embed': jnp.zeros((6, 4)), 'step': jnp.zeros((), jnp.int32)}
-  with pytest.raises(TypeError) as info:
-    sj.skewadam(1e-3).init(params)
-  message = str(info.value)
-  assert 'the `mask` argument' not in message
-  assert 'optax.masked(tx, mask)' in message and 'wrt=nnx.Param' in message
-  # The advice works: masking the integer leaf out lets skewadam initialise.
-  tx = optax.masked(sj.skewadam(1e-3), {'embed': True, 'step': False})
-  tx.init(params)
-
-
-def test_label_table_names_the_integer_leaf():
-  params = {'embed': jnp.zeros((6, 4)), 'counters': {'step': jnp.zeros((), jnp.int32)}}
-  with pytest.raises(TypeError, match=r'parameter counters/step has non-floating dtype int32'):
-    sj.label_table(sj.skewadam(1e-3), params)
 
 
 @pytest.mark.parametrize('make', [sj.skewadam, sj.adampm])

@@ -149,19 +149,17 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...], also: str = ''
 
 
 def check_float_leaf(path: str, dtype: Any, where: str) -> None:
-  """Raises a clear error for parameter leaves that the rules do not support."""
+  """Raises a clear error for complex parameter leaves, which the rules do not support.
+
+  Integer and boolean leaves pass: they keep no state and get a zero update, as
+  `optax.adamw` accepts them (see `transforms.per_leaf.trains`).
+  """
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.complexfloating):
     raise TypeError(
         f'{where}: parameter {path} has complex dtype {dtype}; only real floating '
         'parameters are supported (split complex parameters into real and imaginary '
         'parts, or exclude them with a mask).')
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f'{where}: parameter {path} has non-floating dtype {dtype}; mask integer or '
-        'boolean leaves out: give the optimizer only the floating parameters (e.g. '
-        '`nnx.Optimizer(model, tx, wrt=nnx.Param)`), or wrap it as `optax.masked(tx, '
-        'mask)` with `mask` False on this leaf.')
 
 
 def is_transform(tx: Any) -> bool:

@@ -315,7 +315,7 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.
     rows.append(_labels.LeafReport(
         path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)),
         tier=got.tier if got else '-',
-        second_moment=got.estimator.name if got else '-',
+        second_moment=got.estimator.name if got and got.estimator else '-',
         param_bytes=leaf_bytes(p), state_bytes=state[i],
         note=got.note if got else 'not updated by the skewadam in `tx`',
         batch_axes=got.batch_axes if got else ()))

@@ -117,12 +117,16 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
 
   def init_fn(params):
     leaves = _per_leaf.Leaves.of(params, 'scale_by_grouped_second_moment')
-    rows = [init_leaf(path, p) for path, p in zip(leaves.paths, leaves.arrays)]
+    # An integer or boolean leaf keeps nothing (`per_leaf.trains`).
+    rows = [init_leaf(path, p) if _per_leaf.trains(p) else {}
+            for path, p in zip(leaves.paths, leaves.arrays)]
     return GroupedSecondMomentState(_per_leaf.zero_count(), **leaves.fields(
         rows, ('mu', 'nu'), specs_of(leaves)))
 
   def update_leaf(path: str, g: jax.Array, p: Any, row: dict[str, Any], bc1: jax.Array,
                   bc2: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+    if not _per_leaf.trains(g, p):
+      return _per_leaf.zero_update(path, g, p), {}
     mu, nu = row['mu'], row['nu']
     dtype = _per_leaf.update_dtype(g, p)  # adamw's: the gradient's promoted with p's
     # At trace time: a gradient of another shape would broadcast into the update.

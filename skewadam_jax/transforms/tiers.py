@@ -198,7 +198,8 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
   def init_fn(params):
     leaves = _per_leaf.Leaves.of(params)
     leaf_tiers, axes = setup(params, leaves)
-    rows = [init_leaf(tier, path, p, a)
+    # An integer or boolean leaf keeps nothing (`per_leaf.trains`).
+    rows = [init_leaf(tier, path, p, a) if _per_leaf.trains(p) else {}
             for tier, path, p, a in zip(leaf_tiers, leaves.paths, leaves.arrays, axes)]
     return TieredAdamState(_per_leaf.zero_count(), **leaves.fields(
         rows, FIELDS, specs_of(leaves, leaf_tiers, axes)))
@@ -215,6 +216,9 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     out = []
     for tier, path, g, p, row, a in zip(leaf_tiers, leaves.paths, leaves.arrays,
                                         _per_leaf.param_leaves(leaves, params), rows, axes):
+      if not _per_leaf.trains(g, p):
+        out.append((_per_leaf.zero_update(path, g, p), {}))
+        continue
       estimator, present = check_grad(tier, path, g, p, row, a)
       out.append(update_leaf(tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps,
                              path, g, row.get('mu'), present, t, bc2,

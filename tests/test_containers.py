@@ -238,8 +238,13 @@ def test_every_container_labels_initialises_and_updates(kind):
 def _unboxed(params: Any) -> Any:
   """The pure arrays of a tree of Flax boxes (what `update` sees)."""
   boxes = (nnx.Variable, nn.Partitioned)
-  return jax.tree.map(lambda x: x.value if isinstance(x, boxes) else x, params,
-                      is_leaf=lambda x: isinstance(x, boxes))
+
+  def value(x: Any) -> Any:  # an NNX Variable's `.value` is deprecated: `get_value()`
+    if isinstance(x, nnx.Variable):
+      return x.get_value()
+    return x.value if isinstance(x, nn.Partitioned) else x
+
+  return jax.tree.map(value, params, is_leaf=lambda x: isinstance(x, boxes))
 
 
 def test_batch_axes_function_sees_the_given_labels():

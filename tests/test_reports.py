@@ -109,8 +109,6 @@ def test_old_spellings_still_work_with_a_deprecation_warning():
   assert _summary(old) == _summary(new)
   with pytest.warns(DeprecationWarning, match=r'label_table\(tx, params\).format\(\)'):
     assert sj.format_label_table(list(old)) == new.format()
-  with pytest.warns(DeprecationWarning, match=r'call sj.memory_report\(tx, params\)'):
-    assert sj.memory_report(PARAMS, tx) == sj.memory_report(tx, PARAMS)
 
 
 def test_memory_report_groups_every_optimizer_by_the_same_labels():

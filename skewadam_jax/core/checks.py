@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -149,19 +149,17 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...], also: str = ''
 
 
 def check_float_leaf(path: str, dtype: Any, where: str) -> None:
-  """Raises a clear error for parameter leaves that the rules do not support."""
+  """Raises a clear error for complex parameter leaves, which the rules do not support.
+
+  Integer and boolean leaves pass: they keep no state and get a zero update, as
+  `optax.adamw` accepts them (see `transforms.per_leaf.trains`).
+  """
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.complexfloating):
     raise TypeError(
         f'{where}: parameter {path} has complex dtype {dtype}; only real floating '
         'parameters are supported (split complex parameters into real and imaginary '
         'parts, or exclude them with a mask).')
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f'{where}: parameter {path} has non-floating dtype {dtype}; mask integer or '
-        'boolean leaves out: give the optimizer only the floating parameters (e.g. '
-        '`nnx.Optimizer(model, tx, wrt=nnx.Param)`), or wrap it as `optax.masked(tx, '
-        'mask)` with `mask` False on this leaf.')
 
 
 def is_transform(tx: Any) -> bool:
@@ -194,6 +192,40 @@ def check_transform(tx: Any, other: Any = None, call: str = '') -> None:
         '(`sj.label_table`, `sj.memory_report`, `sj.optimizer_state_bytes`, '
         '`sj.state_shardings`, `sj.sharded_abstract_state`).')
   raise TypeError(f'{message} {_short_repr(tx)}.')
+
+
+def check_update_order(updates: Any, state: Any, params: Any,
+                       is_state: Callable[[Any], bool], where: str) -> None:
+  """Raises a TypeError naming `state` and `params` if `tx.update` got them swapped.
+
+  `tx.update(updates, params, state)` otherwise fails deep inside (optax's chain
+  counts the params' entries as states: "The number of updates and states has to be
+  the same in chain!"), naming neither argument. Only types and tree structures are
+  read, at trace time: nothing runs in the compiled step, and a `state` that
+  `is_state` accepts costs one isinstance check.
+
+  Args:
+    updates: the `updates` argument.
+    state: the `state` argument.
+    params: the `params` argument (None if not given).
+    is_state: whether a value is this transform's state (its type, a chain's tuple).
+    where: the transform, for the message, e.g. 'sj.skewadam'.
+  """
+  if is_state(state):
+    return
+  params_is_state = params is not None and is_state(params)
+  state_is_params = (jax.tree_util.tree_structure(state)
+                     == jax.tree_util.tree_structure(updates))
+  if not (params_is_state or state_is_params):
+    return  # not a swap: the transform's own checks say what else is wrong
+  if params_is_state:
+    found = 'the optimizer state as `params`: `state` and `params` are swapped'
+  else:
+    found = ('a `state` with the tree structure of the updates (the params?), not the '
+             'optimizer state: `state` and `params` are swapped, or `state` is missing')
+  raise TypeError(f'{where}: `tx.update` got {found}. The order is '
+                  '`tx.update(updates, state, params)`, with `state` from `tx.init(params)` '
+                  'or the previous update.')
 
 
 def _shapes(tree: Any) -> Any:

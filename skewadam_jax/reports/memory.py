@@ -153,8 +153,6 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
   go under `(other)`, step counters apart. What a `skewadam` gives each parameter,
   tier by its own labels, is `label_table(tx, params)`.
 
-  The order `memory_report(params, tx)` still works, with a DeprecationWarning.
-
   Args:
     tx: the optimizer.
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
@@ -163,16 +161,16 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
   Returns:
     A `MemoryReport`; `.format()` renders it as a markdown table.
 
+  Raises:
+    TypeError: if `tx` is not an optimizer; one given as `params` (the arguments
+      swapped) gets the right order in the message, as every report does.
+
   Example:
     >>> import jax, jax.numpy as jnp, skewadam_jax as sj
     >>> params = {'embed': jax.ShapeDtypeStruct((64, 8), jnp.float32)}
     >>> sj.memory_report(sj.skewadam(3e-4), params).total_state_bytes  # mu, rows, cols
     2336
   """
-  if not _checks.is_transform(tx) and (_checks.is_transform(params) or (
-      _has_arrays(tx) and not _has_arrays(params))):  # memory_report(params, tx)
-    _deprecated('sj.memory_report(params, tx)', 'sj.memory_report(tx, params)')
-    tx, params = params, tx
   _checks.check_transform(tx, params, 'sj.memory_report(tx, params)')
   trace = _trace.trace_init(tx, params)
   labels = jax.tree_util.tree_structure(params).flatten_up_to(
@@ -202,10 +200,6 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
       total_param_bytes=sum(r.param_bytes for r in rows),
       total_state_bytes=sum(r.state_bytes for r in rows),
       counter_bytes=counters)
-
-
-def _has_arrays(tree: Any) -> bool:
-  return any(_tree.is_array_like(x) for x in jax.tree_util.tree_leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +315,7 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.
     rows.append(_labels.LeafReport(
         path=path, shape=tuple(p.shape), dtype=str(jnp.dtype(p.dtype)),
         tier=got.tier if got else '-',
-        second_moment=got.estimator.name if got else '-',
+        second_moment=got.estimator.name if got and got.estimator else '-',
         param_bytes=leaf_bytes(p), state_bytes=state[i],
         note=got.note if got else 'not updated by the skewadam in `tx`',
         batch_axes=got.batch_axes if got else ()))

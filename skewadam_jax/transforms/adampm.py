@@ -118,13 +118,18 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
 
   def init_fn(params):
     leaves = _per_leaf.Leaves.of(params, 'scale_by_grouped_second_moment')
-    rows = [init_leaf(path, p) for path, p in zip(leaves.paths, leaves.arrays)]
+    # An integer or boolean leaf keeps nothing (`per_leaf.trains`).
+    rows = [init_leaf(path, p) if _per_leaf.trains(p) else {}
+            for path, p in zip(leaves.paths, leaves.arrays)]
     return GroupedSecondMomentState(_per_leaf.zero_count(), **leaves.fields(
         rows, ('mu', 'nu'), specs_of(leaves)))
 
-  def update_leaf(path: str, g: jax.Array, row: dict[str, Any], bc1: jax.Array,
+  def update_leaf(path: str, g: jax.Array, p: Any, row: dict[str, Any], bc1: jax.Array,
                   bc2: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+    if not _per_leaf.trains(g, p):
+      return _per_leaf.zero_update(path, g, p), {}
     mu, nu = row['mu'], row['nu']
+    dtype = _per_leaf.update_dtype(g, p)  # adamw's: the gradient's promoted with p's
     # At trace time: a gradient of another shape would broadcast into the update.
     _checks.check_grad_shape(path, tuple(g.shape), mu.shape, 'its momentum')
     g32 = g.astype(jnp.float32)
@@ -136,18 +141,22 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
     nu32, _ = estimator.accumulate(nu, g32, b2, path)
     nu_hat = nu32 / bc2 + eps_root if add_root else nu32 / bc2
     denom = estimator.expand(jnp.sqrt(nu_hat) + eps, tuple(g.shape), path)
-    u = ((mu.astype(jnp.float32) / bc1) / denom).astype(g.dtype)
+    u = ((mu.astype(jnp.float32) / bc1) / denom).astype(dtype)
     return u, {'mu': mu, 'nu': nu32.astype(nu.dtype)}
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args  # unused; accepted so that the transform chains like optax's
+    del extra_args  # unused; accepted so that the transform chains like optax's
+    _checks.check_update_order(updates, state, params,
+                               lambda s: isinstance(s, GroupedSecondMomentState),
+                               'sj.scale_by_grouped_second_moment')
     leaves = _per_leaf.Leaves.of(updates)
     rows = leaves.read(state, ('mu', 'nu'))
     count, t = _per_leaf.next_count(state.count)
     bc1 = _per_leaf.bias_correction(b1, t)
     bc2 = _per_leaf.bias_correction(b2, t)
-    out = [update_leaf(path, g, row, bc1, bc2)
-           for path, g, row in zip(leaves.paths, leaves.arrays, rows)]
+    out = [update_leaf(path, g, p, row, bc1, bc2)
+           for path, g, p, row in zip(leaves.paths, leaves.arrays,
+                                      _per_leaf.param_leaves(leaves, params), rows)]
     return leaves.unflatten([u for u, _ in out]), GroupedSecondMomentState(
         count, **leaves.fields([new for _, new in out], ('mu', 'nu')))
 

@@ -37,6 +37,23 @@ def _add_decayed_weights(weight_decay: Any, mask: Any) -> optax.GradientTransfor
   return optax.add_decayed_weights(weight_decay, mask)
 
 
+def _chain(where: str, *transforms: optax.GradientTransformation
+           ) -> optax.GradientTransformationExtraArgs:
+  """`optax.chain(*transforms)` whose `update` says which argument is wrong if `state` and
+  `params` are swapped, where optax's chain would say "The number of updates and states
+  has to be the same in chain!" (it counts the params' entries as states). The check
+  reads types only (`check_update_order`): no cost in the step."""
+  chained = optax.chain(*transforms)
+  is_state = lambda s: isinstance(s, tuple) and len(s) == len(transforms)  # noqa: E731
+
+  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any
+                ) -> tuple[Any, Any]:
+    _checks.check_update_order(updates, state, params, is_state, where)
+    return chained.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(chained.init, update_fn)
+
+
 def tier_labeler(tiers: Mapping[str, _tier.Tier], param_labels: Any = None
                  ) -> Callable[[Any], Any]:
   """A validating labeler: params -> full label tree whose labels all name a tier."""
@@ -158,7 +175,8 @@ def skewadam(
     return jax.tree.map(lambda m, sub: jax.tree.map(lambda flag: bool(m) and flag, sub),
                         user, flags)
 
-  return optax.chain(
+  return _chain(
+      'sj.skewadam',
       optax.GradientTransformation(init_fn, update_fn),
       _add_decayed_weights(weight_decay, decay_mask),
       optax.scale_by_learning_rate(learning_rate),
@@ -243,7 +261,8 @@ def adampm(
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
   group_axis, axis_arg = _pooling.pooled_axis(axis, group_axis, 'adampm')
-  return optax.chain(
+  return _chain(
+      'sj.adampm',
       _adampm.grouped_adam(b1, b2, eps, eps_root, mu_dtype, group_size, group_axis,
                            nu_dtype, axis_arg),
       _add_decayed_weights(weight_decay, mask),

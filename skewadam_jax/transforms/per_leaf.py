@@ -6,7 +6,8 @@ statistics), each in a field of one state NamedTuple that has the params' struct
 Their rules differ; what is around the rules is the same, and lives here:
 
 * the params (or updates) flattened with readable paths, a Python scalar leaf as a 0-d
-  array (as optax treats it), checked to be floating point at `init`;
+  array (as optax treats it), complex ones refused at `init`; an integer or boolean
+  leaf keeps no state and gets a zero update (`trains`);
 * each field built from per-leaf values. A slot that a leaf does not keep is `None`
   in place of the leaf (or of its Flax box): an empty pytree node, not a leaf for jax,
   optax, Flax (`nnx.Optimizer` boxes every leaf of the state in a Variable) or Orbax,
@@ -55,7 +56,7 @@ class Leaves:
 
   @classmethod
   def of(cls, tree: Any, transform: Optional[str] = None) -> Leaves:
-    """`tree`'s leaves; with `transform` (its name, for the error), each must be a float."""
+    """`tree`'s leaves; with `transform` (its name, for the error), none may be complex."""
     flat, treedef = _paths.flatten_with_paths(tree)
     paths = tuple(path for path, _ in flat)
     arrays = tuple(_tree.as_array(x) for _, x in flat)
@@ -115,6 +116,58 @@ class Leaves:
     columns = [_flax.flatten_like(self.treedef, self.tree, getattr(state, k))
                for k in names]
     return [dict(zip(names, row)) for row in zip(*columns)] if columns else []
+
+
+def param_leaves(leaves: Leaves, params: Any) -> list[Any]:
+  """`params`' leaves beside the updates' (None each if not given or not alike)."""
+  if params is not None:
+    try:
+      return _flax.flatten_like(leaves.treedef, leaves.tree, params)
+    except (ValueError, TypeError):  # not the updates' structure: checked by the state
+      pass
+  return [None] * len(leaves.paths)
+
+
+def _dtype(x: Any) -> Any:
+  """A leaf's dtype (a Python number's as JAX gives it)."""
+  return jnp.dtype(x.dtype) if _tree.is_array_like(x) else jnp.result_type(x)
+
+
+def trains(grad: Any, param: Any = None) -> bool:
+  """Whether a leaf is stepped by the rules: its parameter (or, where `update` got no
+  params, its gradient) is floating point.
+
+  An integer or boolean leaf (a step counter, an int buffer in a Flax tree) keeps no
+  state and gets a zero update. That is `optax.adamw`'s update for it for a zero
+  gradient, the only one it has (`jax.grad` gives float0), without AdamW's two
+  moments of the leaf's size; weight decay after the rule treats it as AdamW does.
+  Complex leaves are refused at `init` (`check_float_leaf`).
+  """
+  return bool(jnp.issubdtype(_dtype(grad if param is None else param), jnp.inexact))
+
+
+def update_dtype(grad: Any, param: Any = None) -> Any:
+  """The dtype of a leaf's update: `optax.adamw`'s on the same inputs.
+
+  AdamW's update is its new momentum over the square root of its new second moment,
+  both of which promote the gradient with the parameter's dtype (their dtype at
+  `init`) and with Python floats: bfloat16 gradients on float32 parameters give
+  float32 updates, bfloat16 on bfloat16 bfloat16, an integer leaf JAX's default float.
+  Every rule computes in float32 and casts to this dtype once. Where the state is
+  stored in (`mu_dtype`, `nu_dtype`, `Tier.mu_dtype`) does not change it. `param` (an
+  array-like leaf or a Python number) is None where `update` got no params: the
+  gradient's dtype then. A float0 gradient (`jax.grad` of an integer) adds nothing.
+  """
+  dtypes = [_dtype(x) for x in (grad, param) if x is not None]
+  return jnp.result_type(*[d for d in dtypes if d != jax.dtypes.float0], float)
+
+
+def zero_update(path: str, grad: Any, param: Any = None) -> jax.Array:
+  """The update of a leaf that `trains` does not step: zeros of `update_dtype`."""
+  if param is not None:
+    _checks.check_grad_shape(path, tuple(grad.shape), _tree.abstract_leaf(param).shape,
+                             'the parameter')
+  return jnp.zeros(grad.shape, update_dtype(grad, param))
 
 
 def bias_correction(decay: Any, t: jax.Array) -> jax.Array:

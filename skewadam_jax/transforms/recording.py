@@ -18,6 +18,7 @@ from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import axes as _axes
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
+from skewadam_jax.transforms import per_leaf as _per_leaf
 from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.transforms import tiers as _tiered
 
@@ -26,7 +27,9 @@ from skewadam_jax.transforms import tiers as _tiered
 class TierRecord:
   """What a `skewadam` gives one parameter, as recorded while its `init` was traced."""
   tier: str  # the tier's name
-  estimator: _second_moment.SecondMoment  # the leaf's estimator (after `for_leaf`)
+  # The leaf's estimator (after `for_leaf`); None for an integer or boolean leaf, which
+  # keeps no state (`per_leaf.trains`).
+  estimator: Optional[_second_moment.SecondMoment]
   batch_axes: tuple[int, ...]  # sorted, non-negative
   note: str  # the labeler's note: how structure decided the tier, or why it is a guess
 
@@ -65,6 +68,10 @@ def record_tiers(params: Any, tiers: Mapping[str, _tier.Tier], param_labels: Any
     warnings.simplefilter('ignore', _labels.UnsureLabelWarning)
     _, notes = _labels.labels_and_notes(params, param_labels)
   for (path, p), label, ax, note in zip(leaves, treedef.flatten_up_to(labels), axes, notes):
-    shape = tuple(_tree.abstract_leaf(p).shape)
-    estimator = _tiered.leaf_estimator(shape, tiers[label], ax, path)
+    p = _tree.abstract_leaf(p)
+    if _per_leaf.trains(p):
+      estimator = _tiered.leaf_estimator(tuple(p.shape), tiers[label], ax, path)
+    else:
+      estimator, note = None, (f'{p.dtype} leaf: no state, update 0 before weight decay '
+                               '(as optax.adamw\'s for a zero gradient)')
     table.setdefault(path, TierRecord(label, estimator, tuple(ax), note))

@@ -19,7 +19,6 @@ import optax
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import exact as _exact
 from skewadam_jax.estimators import factored as _factored
-from skewadam_jax.structure import boxes as _flax
 from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
@@ -136,22 +135,13 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
   return estimator, present
 
 
-def _param_leaves(leaves: _per_leaf.Leaves, params: Any) -> list[Any]:
-  """`params`' leaves beside the updates' (None each if not given or not alike)."""
-  if params is not None:
-    try:
-      return _flax.flatten_like(leaves.treedef, leaves.tree, params)
-    except (ValueError, TypeError):  # not the updates' structure: checked by the state
-      pass
-  return [None] * len(leaves.paths)
-
-
 def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
                 eps: Any, path: str, g: jax.Array, mu: Optional[jax.Array],
-                present: Mapping[str, Any], t: jax.Array, bc2: jax.Array
-                ) -> tuple[jax.Array, dict[str, Any]]:
-  """A leaf's update under `tier` (`t` the step count after it, as a float32) and its
-  new state (field name -> array)."""
+                present: Mapping[str, Any], t: jax.Array, bc2: jax.Array,
+                dtype: Any = None) -> tuple[jax.Array, dict[str, Any]]:
+  """A leaf's update under `tier` (`t` the step count after it, as a float32), in
+  `dtype` (default the gradient's; `per_leaf.update_dtype`), and its new state (field
+  name -> array)."""
   # Every full-size array below is either an input, a state output or computed inside
   # the one fused pass that also applies the update: statistics come from reductions
   # over the stored arrays, and nothing of the leaf's size is materialised in between.
@@ -177,13 +167,15 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
       clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
   u, new = estimator.update(g, present, x, step)
   _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
-  return u.astype(g.dtype), ({'mu': mu, **new} if tier.momentum else dict(new))
+  return u.astype(g.dtype if dtype is None else dtype), (
+      {'mu': mu, **new} if tier.momentum else dict(new))
 
 
 def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[str]],
-                     b1: Any, b2: Any, eps: Any, batch_axes: Any
+                     b1: Any, b2: Any, eps: Any, batch_axes: Any, name: str
                      ) -> optax.GradientTransformationExtraArgs:
-  """The tiers' rules on the leaves `labels_of(tree)` assigns them (one label per leaf)."""
+  """The tiers' rules on the leaves `labels_of(tree)` assigns them (one label per leaf);
+  `name` is the public transform's, for errors."""
   _checks.check_beta('b1', b1)
   _checks.check_beta('b2', b2)
   _checks.check_non_negative('eps', eps)
@@ -206,13 +198,16 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
   def init_fn(params):
     leaves = _per_leaf.Leaves.of(params)
     leaf_tiers, axes = setup(params, leaves)
-    rows = [init_leaf(tier, path, p, a)
+    # An integer or boolean leaf keeps nothing (`per_leaf.trains`).
+    rows = [init_leaf(tier, path, p, a) if _per_leaf.trains(p) else {}
             for tier, path, p, a in zip(leaf_tiers, leaves.paths, leaves.arrays, axes)]
     return TieredAdamState(_per_leaf.zero_count(), **leaves.fields(
         rows, FIELDS, specs_of(leaves, leaf_tiers, axes)))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # unused; accepted so that the transform chains like optax's
+    _checks.check_update_order(updates, state, params,
+                               lambda s: isinstance(s, TieredAdamState), name)
     leaves = _per_leaf.Leaves.of(updates)
     leaf_tiers, axes = setup(updates, leaves)
     rows = leaves.read(state, FIELDS)
@@ -220,10 +215,14 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     bc2 = _per_leaf.bias_correction(b2, t)
     out = []
     for tier, path, g, p, row, a in zip(leaf_tiers, leaves.paths, leaves.arrays,
-                                        _param_leaves(leaves, params), rows, axes):
+                                        _per_leaf.param_leaves(leaves, params), rows, axes):
+      if not _per_leaf.trains(g, p):
+        out.append((_per_leaf.zero_update(path, g, p), {}))
+        continue
       estimator, present = check_grad(tier, path, g, p, row, a)
       out.append(update_leaf(tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps,
-                             path, g, row.get('mu'), present, t, bc2))
+                             path, g, row.get('mu'), present, t, bc2,
+                             _per_leaf.update_dtype(g, p)))
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
         [new for _, new in out], FIELDS, specs_of(leaves, leaf_tiers, axes)))
 
@@ -281,7 +280,7 @@ def scale_by_tiers(
     labels = _labels.resolve_labels(tree, param_labels)
     return jax.tree_util.tree_leaves(_labels.expand_labels(tree, labels, tiers))
 
-  return _tiers_transform(tiers, labels_of, b1, b2, eps, batch_axes)
+  return _tiers_transform(tiers, labels_of, b1, b2, eps, batch_axes, 'sj.scale_by_tiers')
 
 
 def scale_by_tiered_adam(
@@ -344,4 +343,4 @@ def scale_by_tiered_adam(
                     f'{tier!r}; build one with sj.Tier(...) or pass tier options as keywords.')
   tier = (tier or Tier()).replace(**tier_options)
   return _tiers_transform({'tier': tier}, lambda tree: ['tier'] * len(
-      jax.tree_util.tree_leaves(tree)), b1, b2, eps, batch_axes)
+      jax.tree_util.tree_leaves(tree)), b1, b2, eps, batch_axes, 'sj.scale_by_tiered_adam')

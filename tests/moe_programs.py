@@ -78,6 +78,7 @@ STACKING = ('single', 'loop', 'scan', 'map', 'vmap')
 SHARDING = ('none', 'constraint', 'shard_map', 'boxed')
 NAMES = ('random', 'mixed', 'conventional')
 LAYOUTS = ('nested', 'flat')
+DTYPES = ('float32', 'bfloat16')
 MESH_AXES = ('data', 'fsdp', 'expert', 'model', 'tensor')
 
 # Building blocks (tags of `Spec.blocks`; `a&b`: both together) shown, each alone on a
@@ -162,19 +163,24 @@ class Spec:
   names: str
   seed: int  # names and axis names
   layout: str = 'nested'  # 'nested' modules, or every leaf of a layer in one 'flat' dict
+  argmax: bool = False  # top-1 by argmax instead of top_k (K = 1)
+  aux_loss: bool = False  # a load-balancing and a z-loss term added to the output
+  dtype: str = 'float32'  # of the params; 'bfloat16': the router computed in float32
 
   @property
   def blocks(self) -> frozenset[str]:
     """The building blocks this program uses, as short tags."""
     tags = {f'scores:{self.scores}', f'bank:{self.bank}', f'dispatch:{self.dispatch}',
             f'stacking:{self.stacking}', f'sharding:{self.sharding}', f'names:{self.names}',
-            f'layout:{self.layout}'}
+            f'layout:{self.layout}', f'dtype:{self.dtype}'}
     if self.dispatch == 'expert_choice':
       tags.add('router:expert_choice')
     else:
       tags |= {t for t, on in (('router:select_bias', self.select_bias),
                                ('router:grouped', self.grouped),
-                               ('router:renorm', self.renorm)) if on}
+                               ('router:renorm', self.renorm),
+                               ('router:argmax', self.argmax),
+                               ('router:aux_loss', self.aux_loss)) if on}
     if self.noise != 'none':
       tags.add(f'noise:{self.noise}')
     tags |= {t for t, on in (('bank:expert_bias', self.expert_bias and self.bank != 'units'),
@@ -202,7 +208,10 @@ def spec_from_seed(seed: int, exclude: frozenset[str] = frozenset(),
       dispatch=pick(UNIT_DISPATCH if bank == 'units' else STACKED_DISPATCH), shared=coin(),
       dense_mlp=coin(), attention=coin(), tied=coin(), stacking=pick(STACKING), remat=coin(),
       sharding=pick(SHARDING), names=names or pick(NAMES), seed=int(rng.integers(2**31)),
-      layout=pick(LAYOUTS))
+      layout=pick(LAYOUTS), argmax=coin() and coin(), aux_loss=coin(),
+      dtype=pick(DTYPES))
+  if spec.argmax:
+    spec = dataclasses.replace(spec, dims=dataclasses.replace(dims, K=1))
   return _without(spec, exclude)
 
 
@@ -227,10 +236,11 @@ def _without(spec: Spec, exclude: frozenset[str]) -> Spec:
   off = {'router:select_bias': 'select_bias', 'router:grouped': 'grouped',
          'router:renorm': 'renorm', 'bank:expert_bias': 'expert_bias',
          'bank:expert_scale': 'expert_scale', 'shared': 'shared', 'dense_mlp': 'dense_mlp',
-         'attention': 'attention', 'tied': 'tied', 'remat': 'remat'}
+         'attention': 'attention', 'tied': 'tied', 'remat': 'remat', 'router:argmax': 'argmax',
+         'router:aux_loss': 'aux_loss'}
   plain = {'dispatch': 'onehot', 'stacking': 'single', 'sharding': 'none',
            'scores': 'softmax', 'bank': 'plain', 'noise': 'none', 'names': 'conventional',
-           'layout': 'nested'}
+           'layout': 'nested', 'dtype': 'float32'}
   for entry in excluded(spec.blocks, exclude):
     parts = entry.split('&')
     tag = next((t for t in parts if not t.startswith('names:')), parts[0])
@@ -462,10 +472,10 @@ def _ffn(spec: Spec, x: Any, first: Callable, second: Callable, bias: Callable) 
 
 
 def _route(spec: Spec, h: jax.Array, router: dict[str, jax.Array], key: Any
-           ) -> tuple[jax.Array, jax.Array]:
-  """Token choice: expert ids [T, K] and combine weights [T, K]."""
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Token choice: expert ids [T, K], combine weights [T, K], auxiliary loss []."""
   n = spec.dims
-  logits = h @ router['kernel']
+  logits = h.astype(jnp.float32) @ router['kernel'].astype(jnp.float32)
   if key is not None:
     k1, _ = jax.random.split(key)
     if spec.noise == 'typed_data':  # through raw key data, as some rng plumbing does
@@ -480,16 +490,23 @@ def _route(spec: Spec, h: jax.Array, router: dict[str, jax.Array], key: Any
     _, keep = jax.lax.top_k(group_score, 1)  # [T, 1]
     mask = jax.nn.one_hot(keep, n.G).sum(1)  # [T, G]
     sel = jnp.where(mask[..., None] > 0, grouped, -jnp.inf).reshape(n.T, n.E)
-  _, ids = jax.lax.top_k(sel, n.K)
+  if spec.argmax:
+    ids = jnp.argmax(sel, axis=-1)[:, None]
+  else:
+    _, ids = jax.lax.top_k(sel, n.K)
   weights = jnp.take_along_axis(scores, ids, axis=-1)
   if spec.renorm:
     weights = weights / jnp.sum(weights, -1, keepdims=True)
-  return ids, weights
+  aux = jnp.zeros(())
+  if spec.aux_loss:  # Switch load balancing (fraction routed x mean probability), z-loss
+    routed = jnp.mean(jax.nn.one_hot(ids, n.E).sum(1), axis=0)
+    aux = n.E * jnp.sum(routed * jnp.mean(scores, axis=0))
+    aux = aux + 1e-3 * jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+  return ids, weights.astype(h.dtype), aux
 
 
 def _moe(spec: Spec, h: jax.Array, p: dict[str, Any], key: Any) -> jax.Array:
-  n = spec.dims
-  E, T, K, C, d = n.E, n.T, n.K, n.C, n.d
+  C, d = spec.dims.C, spec.dims.d
   bank = p['experts']
   use_shard_map = spec.sharding == 'shard_map'
 
@@ -499,7 +516,15 @@ def _moe(spec: Spec, h: jax.Array, p: dict[str, Any], key: Any) -> jax.Array:
     out = _slots(spec, h[idx], bank, use_shard_map) * g[..., None]
     return jnp.zeros_like(h).at[idx.reshape(-1)].add(out.reshape(-1, d))
 
-  ids, w = _route(spec, h, p['router'], key)
+  ids, w, aux = _route(spec, h, p['router'], key)
+  return _dispatch(spec, h, bank, ids, w, use_shard_map) + aux.astype(h.dtype)
+
+
+def _dispatch(spec: Spec, h: jax.Array, bank: Any, ids: jax.Array, w: jax.Array,
+              use_shard_map: bool) -> jax.Array:
+  """Tokens to their experts and back, by `spec.dispatch`."""
+  n = spec.dims
+  E, T, K, C, d = n.E, n.T, n.K, n.C, n.d
   if spec.dispatch in ('onehot', 'scatter', 'mask', 'stack', 'concat', 'units_loop'):
     if spec.dispatch == 'scatter':
       comb = jnp.zeros((T, E), h.dtype).at[jnp.arange(T)[:, None], ids].set(w)
@@ -597,6 +622,7 @@ def _rows(spec: Spec, x: jax.Array, bank: dict[str, jax.Array], ids: jax.Array) 
 def _layer(spec: Spec, x: jax.Array, p: dict[str, Any], key: Any,
            names: dict[str, Any]) -> jax.Array:
   """One block: norm, attention, norm, MoE (+ shared expert, + dense MLP)."""
+  dtype = x.dtype
   p = _constrained(p, names)
   h = _rms(x, p['pre_norm']['scale'])
   if spec.attention:
@@ -611,7 +637,7 @@ def _layer(spec: Spec, x: jax.Array, p: dict[str, Any], key: Any,
     y = y + _mlp(h, p['moe']['shared_experts'])
   if spec.dense_mlp:
     y = y + _mlp(h, p['mlp'])
-  return x + y
+  return (x + y).astype(dtype)
 
 
 def _constrained(tree: Any, names: dict[str, Any], where: str = '') -> Any:
@@ -694,7 +720,9 @@ def build(spec: Spec) -> Program:
   namer = _Names(spec)
   renamed = namer.rename(_store(conventional, spec.layout))
   truth = [pair[1] for pair in jax.tree.leaves(renamed, is_leaf=_is_pair)]
-  params = jax.tree.map(lambda pair: pair[0], renamed, is_leaf=_is_pair)
+  dtype = jnp.dtype(spec.dtype)
+  params = jax.tree.map(lambda pair: jax.ShapeDtypeStruct(pair[0].shape, dtype), renamed,
+                        is_leaf=_is_pair)
   stacked = spec.stacking in ('scan', 'map', 'vmap')
 
   # Mesh axis names per leaf, by conventional path (layer-relative inside the layer).
@@ -714,8 +742,9 @@ def build(spec: Spec) -> Program:
         inner = '/'.join(segs[2 if spec.stacking == 'loop' else 1:])
         layer_names.setdefault(inner, chosen[id(pair)][1:] if stacked else chosen[id(pair)])
   if spec.sharding == 'boxed':
-    params = jax.tree.map(lambda pair: nn.Partitioned(pair[0], names=chosen[id(pair)]),
-                          renamed, is_leaf=_is_pair)
+    params = jax.tree.map(
+        lambda pair: nn.Partitioned(jax.ShapeDtypeStruct(pair[0].shape, dtype),
+                                    names=chosen[id(pair)]), renamed, is_leaf=_is_pair)
 
   tokens = jax.ShapeDtypeStruct((n.B, n.S), jnp.int32)
   args: tuple[Any, ...] = (tokens,)
@@ -883,6 +912,10 @@ def single_block_specs(names: str = 'conventional') -> dict[str, Spec]:
   for stacking in STACKING[1:]:
     out[f'stacking:{stacking}'] = dataclasses.replace(base, stacking=stacking)
   out['layout:flat'] = dataclasses.replace(base, layout='flat')
+  out['router:argmax'] = dataclasses.replace(
+      base, argmax=True, dims=dataclasses.replace(base.dims, K=1))
+  out['router:aux_loss'] = dataclasses.replace(base, aux_loss=True)
+  out['dtype:bfloat16'] = dataclasses.replace(base, dtype='bfloat16')
   for stacking in STACKING[1:]:
     out[f'layout:flat+stacking:{stacking}'] = dataclasses.replace(base, layout='flat',
                                                                   stacking=stacking)

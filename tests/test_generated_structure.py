@@ -15,6 +15,7 @@ fixed. `python tests/moe_programs.py --n 1000` prints the counts per route.
 
 from __future__ import annotations
 
+import jax
 import pytest
 from hypothesis import given, HealthCheck, settings
 
@@ -132,6 +133,8 @@ def test_generator_covers_every_block_and_the_truth_is_consistent():
   def draw(spec):
     seen.update(spec.blocks)
     program = mp.build(spec)
+    out = jax.eval_shape(program.fn, program.params, *program.args)  # a valid program
+    assert out.shape == (spec.dims.T, spec.dims.V)
     assert {t.tier for t in program.truth} == {'backbone', 'experts', 'router'}
     assert len(set(program.paths)) == len(program.paths)
 

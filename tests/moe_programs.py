@@ -41,7 +41,11 @@ with no expert axis; everything else is `backbone`; a stacked layer axis (scan, 
 vmap) is a batch axis of every leaf it stacks.
 
 `python tests/moe_programs.py --n 1000` prints, per route, how many leaves are right,
-undecided and loud, or silently wrong (see `classify`).
+undecided and loud, undecided without a warning, silently wrong, or hidden by a crash
+(see `check_traced`, `check_default`), and which blocks the failing programs use;
+`--exclude-known traced` (or `default`, `quiet`) switches off `KNOWN_FAILING`'s blocks,
+`--names conventional` draws conventional names only, and `--blocks` checks each block
+alone on a one-layer baseline.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from flax import linen as nn
 from flax import nnx
 
 import skewadam_jax as sj
-from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import paths as _paths
 import moe_models as mm
 
@@ -58,14 +58,14 @@ def test_whole_segments_only():
   assert _paths.match_path('*moe*/**/wo', 'decoder/MoeBlock_0/wo')
   assert _paths.match_path('*moe*/**/wo', 'decoder/moe/inner/wo')
   assert not _paths.match_path('*moe*/**/wo', 'decoder/mlp/wo')
-  assert _labels.label_for_path('anything/else') == 'backbone'
+  assert _rules.label_for_path('anything/else') == 'backbone'
 
 
 def test_user_rules_come_first_and_default_is_backbone():
   tree = {'moe': {'experts': {'w1': jnp.zeros((2, 3, 4))}, 'router': jnp.zeros((3, 2))},
           'mystery': jnp.zeros(3)}
   # The user's rule leaves the experts without a router: reported, labels unchanged.
-  with pytest.warns(_labels.UnsureLabelWarning,
+  with pytest.warns(sj.UnsureLabelWarning,
                     match="moe/experts/w1: labelled 'experts' but no leaf .* 'router'"):
     labels = sj.moe_param_labels(tree, rules=[('moe/router', 'backbone'),
                                               ('mystery', 'experts')])
@@ -129,7 +129,7 @@ def test_prefix_label_tree_is_broadcast():
 
 def _quiet_labels(tree, **kwargs):
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     return _labels_by_path_of(sj.moe_param_labels(tree, **kwargs))
 
 
@@ -264,9 +264,9 @@ def test_structure_works_on_abstract_leaves_and_under_jit():
 
 
 def test_experts_without_router_and_router_without_experts_are_reported():
-  with pytest.warns(_labels.UnsureLabelWarning, match="moe/experts/w1: labelled 'experts'"):
+  with pytest.warns(sj.UnsureLabelWarning, match="moe/experts/w1: labelled 'experts'"):
     sj.moe_param_labels({'moe': {'experts': {'w1': jnp.zeros((4, 8, 6))}}})
-  with pytest.warns(_labels.UnsureLabelWarning, match="moe/router: labelled 'router'"):
+  with pytest.warns(sj.UnsureLabelWarning, match="moe/router: labelled 'router'"):
     sj.moe_param_labels({'moe': {'router': jnp.zeros((8, 4))}})
   with pytest.raises(ValueError, match=r"moe/router: .*sj\.make_labeler"):
     sj.moe_param_labels({'moe': {'router': jnp.zeros((8, 4))}}, strict=True)
@@ -277,7 +277,7 @@ def test_experts_without_router_and_router_without_experts_are_reported():
 
 def test_label_table_format_has_a_note_column():
   tree = {'moe': {'experts': {'w1': jnp.zeros((4, 8, 6))}}}
-  with pytest.warns(_labels.UnsureLabelWarning):
+  with pytest.warns(sj.UnsureLabelWarning):
     text = sj.label_table(sj.skewadam(1e-3), tree).format()
   header = text.splitlines()[0].split()
   assert header[-1] == 'note'
@@ -308,11 +308,11 @@ class _NamedBank(nnx.Module):
 
 def test_axis_names_only_confirm_in_a_labeler_function():
   state = nnx.state(_NamedBank(nnx.Rngs(0)), nnx.Param)
-  with pytest.warns(_labels.UnsureLabelWarning) as rec:
+  with pytest.warns(sj.UnsureLabelWarning) as rec:
     labels = sj.moe_param_labels(state)  # names do not decide: same as on pure arrays
   assert _labels_by_path_of(labels)['ffn_bank'] == 'backbone'
   # Without names the bank looks like a dense `ffn`; the lone router still gets reported.
-  with pytest.warns(_labels.UnsureLabelWarning, match="moe/router/kernel: labelled 'router'"):
+  with pytest.warns(sj.UnsureLabelWarning, match="moe/router/kernel: labelled 'router'"):
     pure = sj.make_labeler()(nnx.to_pure_dict(state))
   assert _labels_by_path_of(pure) == _labels_by_path_of(labels)
   message = str(rec[0].message)
@@ -324,7 +324,7 @@ def test_axis_names_only_confirm_in_a_labeler_function():
 def test_label_tree_from_axis_names_trains_with_nnx_optimizer():
   model = _NamedBank(nnx.Rngs(0))
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     labels = sj.moe_param_labels(nnx.state(model, nnx.Param), use_axis_names=True)
     assert _labels_by_path_of(labels) == {'tok/embedding': 'backbone',
                                           'moe/router/kernel': 'router',
@@ -349,7 +349,7 @@ def test_a_bare_router_kernel_brings_only_its_bias_into_the_router_tier():
           'blk': {'sel': z(16, 4), 'sel_b': z(4), 'scale': z(16), 'w': z(16, 16),
                   'experts': {'w_in': z(4, 16, 32), 'w_out': z(4, 32, 16)}}}
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     labels = sj.moe_param_labels(tree)
   assert labels['blk'] == {'sel': 'router', 'sel_b': 'router', 'scale': 'backbone',
                            'w': 'backbone', 'experts': {'w_in': 'experts',
@@ -365,7 +365,7 @@ def _unsure(tree, **kwargs):
     warnings.simplefilter('always')
     labels = _labels_by_path_of(sj.moe_param_labels(tree, **kwargs))
   text = '\n'.join(str(w.message) for w in caught
-                   if issubclass(w.category, _labels.UnsureLabelWarning))
+                   if issubclass(w.category, sj.UnsureLabelWarning))
   return labels, text
 
 
@@ -399,10 +399,10 @@ def test_a_list_of_units_beside_a_router_is_reported(container):
   assert f'sj.make_labeler({rule})' in text
   with pytest.raises(ValueError, match='numbered units'):
     sj.make_labeler(strict=True)(tree)
-  with pytest.warns(_labels.UnsureLabelWarning):
+  with pytest.warns(sj.UnsureLabelWarning):
     rows = {r.path: r.note for r in sj.label_table(sj.skewadam(1e-3), tree)}
   assert {p for p, note in rows.items() if note.startswith('UNSURE')} == {*units, 'q'}
-  with pytest.warns(_labels.UnsureLabelWarning):  # the labels moe_batch_axes reads
+  with pytest.warns(sj.UnsureLabelWarning):  # the labels moe_batch_axes reads
     axes = sj.moe_batch_axes(tree)
   assert jax.tree.leaves(axes, is_leaf=lambda x: x == ()) == [()] * 11  # one matrix each
   # The suggested rules settle it either way, quietly.

@@ -18,7 +18,6 @@ import optax
 import pytest
 
 import skewadam_jax as sj
-from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 
 V, D, H, F = 64, 16, 24, 32
@@ -120,7 +119,7 @@ def _report(tree: Any) -> tuple[dict[str, sj.LeafReport], str]:
     warnings.simplefilter('always')
     rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), tree)}
   text = '\n'.join(str(w.message) for w in caught
-                   if issubclass(w.category, _labels.UnsureLabelWarning))
+                   if issubclass(w.category, sj.UnsureLabelWarning))
   return rows, text
 
 
@@ -195,7 +194,7 @@ def test_a_stack_and_a_bank_that_could_be_confused_are_reported():
   tree = {'tok': {'table': _z(V, D)},
           'blk': {'proj': {'kernel': _z(D, 4)},
                   'grp': {'w_in': _z(6, 4, D, F), 'w_out': _z(6, 4, F, D)}}}
-  with pytest.warns(_labels.UnsureLabelWarning,
+  with pytest.warns(sj.UnsureLabelWarning,
                     match=r'blk/grp/\*\* \(blk/grp/w_in(.|\n)*could be confused'):
     rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), tree)}
   assert rows['blk/grp/w_in'].note.startswith('UNSURE')
@@ -282,7 +281,7 @@ def _default_labels_and_axes(params: Any) -> tuple[dict[str, tuple[str, tuple[in
     labels = sj.moe_param_labels(params)
     axes = sj.moe_batch_axes(params)
   text = '\n'.join(str(w.message) for w in caught
-                   if issubclass(w.category, _labels.UnsureLabelWarning))
+                   if issubclass(w.category, sj.UnsureLabelWarning))
   flat_labels, treedef = jax.tree_util.tree_flatten_with_path(labels)
   got = {}
   for (path, tier), leaf_axes in zip(flat_labels, treedef.flatten_up_to(axes)):

@@ -44,8 +44,10 @@ import jax
 from skewadam_jax.structure import boxes as _flax
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
+from skewadam_jax.structure import rules as _rules
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import stacks as _stacks
+from skewadam_jax.structure import unsure as _unsure
 from skewadam_jax.core import tree as _tree
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
@@ -154,7 +156,7 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
   for leaf in leaves:
     if leaf.axes is None and leaf.names_well_formed:
       leaf.axes = {i for i, e in enumerate(leaf.names)
-                   if _named(e, _LAYER_AXIS_NAME, _labels.EXPERT_AXIS_NAMES)}
+                   if _named(e, _LAYER_AXIS_NAME, _rules.EXPERT_AXIS_NAMES)}
       leaf.source = 'axis names'
   found = _stacks.scan_leaves(leaves, [True] * len(leaves))
   unsure = found.ambiguous + ([] if reported else [line for line, _ in found.confusions])
@@ -173,7 +175,7 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
   if unsure and warn:
     body = '\n'.join(f'  - {line}' for line in unsure)
     warnings.warn(f'skewadam_jax batch axes: these stacks are ambiguous:\n{body}',
-                  _labels.UnsureLabelWarning, stacklevel=3)
+                  _unsure.UnsureLabelWarning, stacklevel=3)
   return leaves, treedef
 
 

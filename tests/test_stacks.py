@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from hypothesis import given, HealthCheck, settings
+from hypothesis import strategies as st
 
 import skewadam_jax as sj
 from skewadam_jax.structure import paths as _paths
@@ -329,3 +331,62 @@ def test_the_default_on_the_traced_structure_models_is_right_or_reported(traced_
   print(f'{case.name}: leaves={len(case.tiers)} right={len(right)} '
         f'wrong-but-warned={len(warned)} silent-wrong={len(silent)}')
   assert silent == []
+
+
+# ---------------------------------------------------------------------------- container names
+
+
+L_, E_ = 3, 4  # layers and experts of the stacked MoE layers below (L < E, L > 1)
+# The leaves of one MoE layer, stacked over L layers: name -> (shape, tier, batch axes).
+MOE_LAYER = {'wq': ((L_, D, D), 'backbone', (0,)), 'norm': ((L_, D), 'backbone', (0,)),
+             'router': ((L_, D, E_), 'router', (0,)),
+             'w1': ((L_, E_, D, F), 'experts', (0, 1)),
+             'w2': ((L_, E_, F, D), 'experts', (0, 1))}
+# The same layer whose leaves say nothing (the router found by its shape alone).
+NAMELESS_LAYER = dict(zip(('a', 'b', 'c', 'd', 'e'), MOE_LAYER.values()))
+
+
+def _moe_layers(containers: tuple[str, ...], layer: dict[str, Any]
+                ) -> tuple[Any, dict[str, tuple[str, tuple[int, ...]]]]:
+  """An embedding [V, d] beside a scanned stack of MoE layers put under `containers`
+  (the root when empty), and the expected (tier, batch axes) by path."""
+  stack = {name: _z(*shape) for name, (shape, _, _) in layer.items()}
+  for name in reversed(containers):
+    stack = {name: stack}
+  prefix = ''.join(f'{c}/' for c in containers)
+  expected = {f'{prefix}{name}': (tier, axes) for name, (_, tier, axes) in layer.items()}
+  return {'emb': _z(V, D), **stack}, {'emb': ('backbone', ()), **expected}
+
+
+CONTAINERS = [(), ('blocks',), ('stack',), ('body',), ('blk',), ('xq7',), ('t0k3n',),
+              ('model', 'zq'), ('a', 'b', 'c')]
+
+
+@pytest.mark.parametrize('layer', ['named', 'nameless'])
+@pytest.mark.parametrize('containers', CONTAINERS, ids=['root' if not c else '/'.join(c)
+                                                        for c in CONTAINERS])
+def test_container_names_do_not_decide(containers, layer):
+  """A scanned stack of MoE layers gets the same tiers and batch axes whatever its
+  containers are called, at the root too: the layer axis is read from the router [L, d,
+  E] and bank [L, E, d, f] inside the stack, not from a module name; `wq` [L, d, d] is
+  no bank and the stacked norm [L, d] keeps its layer axis. No warning."""
+  tree, expected = _moe_layers(containers, MOE_LAYER if layer == 'named' else NAMELESS_LAYER)
+  got, text = _default_labels_and_axes(tree)
+  assert got == expected
+  assert text == ''
+
+
+_RULES = sj.DEFAULT_RULES + sj.DENSE_RULES
+_TOKEN = st.text('abcdfhjklpqrstvwxyz0123456789_', min_size=1, max_size=8).filter(
+    lambda name: not any(_paths.match_path(pattern, name) for pattern, _ in _RULES))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(containers=st.lists(_TOKEN, max_size=3), nameless=st.booleans())
+def test_random_container_names_do_not_decide(containers, nameless):
+  """Any container names that no rule matches: the same answer as at the root."""
+  tree, expected = _moe_layers(tuple(containers), NAMELESS_LAYER if nameless else MOE_LAYER)
+  got, text = _default_labels_and_axes(tree)
+  assert got == expected
+  assert text == ''

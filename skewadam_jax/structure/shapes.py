@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure import stacks as _stacks
-
-_NOT_KERNEL = _stacks.NOT_KERNEL  # router leaves that do not carry the expert count
-
 
 def _router_count(leaf: _paths.Leaf) -> Optional[int]:
   """The expert count E of a router kernel: [d, E] or (transposed) [E, d], read after
   the scanned axes are removed (a stacked router [R, d, E] or [d, L, E] is [d, E])."""
   core = leaf.core
-  if len(core) < 2 or any(s in leaf.segs[-1] for s in _NOT_KERNEL):
+  if len(core) < 2 or any(s in leaf.segs[-1] for s in _kernels.NOT_KERNEL):
     return None
   return min(core[0], core[-1])  # E < d in every MoE
 

@@ -466,3 +466,88 @@ def test_a_dense_kernel_mapping_the_width_to_the_layer_count_changes_no_tier():
   assert _named_in('cls', text) and _named_in('blocks_2/w_out', text)
   assert "sj.make_labeler([('blocks_*', 'backbone')])" in text
   sj.make_labeler([('blocks_*', 'backbone')], strict=True)(tree)
+
+
+# ---------------------------------------------------------------------------- sharding names
+
+
+class _ExpertShardedDense(nnx.Module):
+  """An MoE model sharded expert-parallel: the mesh axis `expert` also shards the
+  embedding, the attention and the output layer (dense weights), as well as the bank."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.1)
+    on_expert = nnx.with_partitioning
+    with nnx.use_eager_sharding(False):
+      self.embed = nnx.Embed(mm.V, mm.D, embedding_init=on_expert(init, ('expert', None)),
+                             rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(
+          2, mm.D, mm.D, kernel_init=on_expert(init, ('expert', None, None)), use_bias=False,
+          decode=False, rngs=rngs)
+      self.router = nnx.Linear(mm.D, mm.E, use_bias=False,
+                               kernel_init=on_expert(init, (None, 'expert')), rngs=rngs)
+      self.bank = nnx.Param(init(rngs.params(), (mm.E, mm.D, mm.F)),
+                            out_sharding=('expert', None, None))
+      self.out = nnx.Linear(mm.D, mm.V, use_bias=False,
+                            kernel_init=on_expert(init, (None, 'expert')), rngs=rngs)
+      self.lm_head = nnx.Param(init(rngs.params(), (mm.D, mm.V)),
+                               out_sharding=(None, 'expert'))
+
+
+_SHARDED_EXPECTED = {'attn/key/kernel': ('backbone', ()), 'attn/out/kernel': ('backbone', ()),
+                     'attn/query/kernel': ('backbone', ()),
+                     'attn/value/kernel': ('backbone', ()),
+                     'bank': ('experts', (0,)), 'embed/embedding': ('backbone', ()),
+                     'lm_head': ('backbone', ()), 'out/kernel': ('backbone', ()),
+                     'router/kernel': ('router', ())}
+
+
+@pytest.mark.parametrize('use_axis_names', [False, True])
+def test_sharding_names_are_hints_not_structure(use_axis_names):
+  """A mesh axis called `expert` on dense weights (embedding, attention, output layer)
+  neither warns nor changes their tiers or batch axes, with or without
+  `use_axis_names`; on the bank, whose router maps to its length, it confirms."""
+  state = nnx.state(_ExpertShardedDense(nnx.Rngs(0)), nnx.Param)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    labels = sj.moe_param_labels(state, use_axis_names=use_axis_names)
+    axes = sj.moe_batch_axes(state, labels, use_axis_names=use_axis_names)
+    rows = sj.label_table(sj.skewadam(1e-3, param_labels=labels, batch_axes=axes), state)
+    default_rows = sj.label_table(sj.skewadam(1e-3), state)
+  got = {path: (tier, tuple(a)) for (path, tier), a in zip(
+      _labels_by_path_of(labels).items(), jax.tree_util.tree_leaves(
+          axes, is_leaf=lambda x: isinstance(x, tuple)))}
+  assert got == _SHARDED_EXPECTED
+  for table in (rows, default_rows):
+    assert {r.path: (r.tier, r.batch_axes) for r in table} == _SHARDED_EXPECTED
+    assert not any(r.note.startswith('UNSURE') for r in table)
+
+
+def test_sharding_names_on_a_linen_model_are_hints_not_structure():
+  """The same with Linen's logical partitioning (`nn.with_logical_partitioning`)."""
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, tokens):
+      on = nn.with_logical_partitioning
+      init = nn.initializers.normal(0.1)
+      x = nn.Embed(mm.V, mm.D, embedding_init=on(init, ('expert', None)), name='embed')(tokens)
+      x = nn.MultiHeadDotProductAttention(2, kernel_init=on(init, ('expert', None, None)),
+                                          use_bias=False, name='attn')(x)
+      gates = nn.Dense(mm.E, use_bias=False, kernel_init=on(init, (None, 'expert')),
+                       name='router')(x)
+      bank = self.param('bank', on(init, ('expert', None, None)), (mm.E, mm.D, mm.F))
+      h = jnp.einsum('btd,edf,bte->btf', x, bank, gates)
+      return nn.Dense(mm.V, kernel_init=on(init, (None, 'expert')), use_bias=False,
+                      name='head')(h @ jnp.ones((mm.F, mm.D)))
+
+  variables = jax.eval_shape(Model().init, jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+  for use_axis_names in (False, True):
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', sj.UnsureLabelWarning)
+      labels = _labels_by_path_of(sj.moe_param_labels(variables,
+                                                      use_axis_names=use_axis_names))
+    assert {p for p, t in labels.items() if t != 'backbone'} == {
+        'params/bank', 'params/router/kernel'}
+    assert labels['params/bank'] == 'experts'

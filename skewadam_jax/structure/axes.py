@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
 import warnings
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
@@ -52,9 +51,6 @@ from skewadam_jax.core import tree as _tree
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
 
-# Logical axis names of a stack of layers (MaxText: 'layers', 'dense_layers',
-# 'moe_layers', 'local_layers'; pipeline stages).
-_LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
 _ATTENTION = ('attn', 'attention')
 # Built-in rules: gemma stacks the k and v projections of `kv_einsum` on axis 0.
 DEFAULT_AXES_RULES: tuple[AxesRule, ...] = (('*kv_einsum/w', (0,)),)
@@ -155,8 +151,11 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
       leaf.source = f'rule {text!r}'
   for leaf in leaves:
     if leaf.axes is None and leaf.names_well_formed:
+      # An expert axis name counts on the experts tier only: sharding names are hints,
+      # and a mesh axis called `expert` also shards dense weights.
+      experts = _rules.EXPERT_AXIS_NAMES if leaf.tier == 'experts' else frozenset()
       leaf.axes = {i for i, e in enumerate(leaf.names)
-                   if _named(e, _LAYER_AXIS_NAME, _rules.EXPERT_AXIS_NAMES)}
+                   if _named(e, _rules.LAYER_AXIS_NAME, experts)}
       leaf.source = 'axis names'
   found = _stacks.scan_leaves(leaves, [True] * len(leaves))
   unsure = found.ambiguous + ([] if reported else [line for line, _ in found.confusions])

@@ -9,8 +9,9 @@ is a `(pattern, tier)` pair of whole-segment globs, first match wins (`paths`).
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
+from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
 
 Rule = tuple[str, str]  # (pattern, tier): pattern is '/'-separated segment globs.
@@ -65,6 +66,10 @@ DEFAULT_TIER = 'backbone'
 
 # Logical / mesh axis names that mark an expert axis (MaxText 'exp', Linen boxes).
 EXPERT_AXIS_NAMES = frozenset({'exp', 'expert', 'experts', 'num_experts', 'routed_experts'})
+
+# Logical axis names of a stack of layers (MaxText: 'layers', 'dense_layers',
+# 'moe_layers', 'local_layers'; pipeline stages).
+LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
 
 _NUMBERED_EXPERT = re.compile(r'^(?P<stem>.*?experts?)[_-]?(?P<idx>\d+)$')
 
@@ -137,12 +142,45 @@ def numbered_experts(leaves: list[_paths.Leaf]) -> None:
         leaf.unit = leaf.segs[:len(prefix) + 1]
 
 
-def axis_name_experts(leaves: list[_paths.Leaf]) -> None:
-  """Undecided leaves whose (well-formed) axis names include an expert axis: experts."""
+def router_counts(leaves: Sequence[_paths.Leaf]) -> set[int]:
+  """The expert counts the routers labelled so far map to: a router kernel's axis named
+  like experts, else its output axis (the last; the first of a PyTorch `weight`)."""
+  counts = set()
   for leaf in leaves:
+    if leaf.tier != 'router' or len(leaf.shape) < 2 or _kernels.is_vector(leaf.segs):
+      continue
     axis = named_expert_axis(leaf)
-    if leaf.tier is None and axis is not None:
+    counts.add(leaf.shape[axis if axis is not None else
+                          0 if leaf.segs[-1] == 'weight' else -1])
+  return counts
+
+
+def confirmed_expert_axis(leaf: _paths.Leaf, counts: set[int]) -> Optional[int]:
+  """The leaf's axis named like experts, where its shape says so too: it is the leaf's
+  first axis not named like a layer axis and its length is a router's expert count
+  (`counts`). Sharding names are hints: a mesh axis called `expert` also shards dense
+  weights (an embedding [V, d], attention, the output layer) in expert-parallel setups,
+  whose lengths no router maps to."""
+  axis = named_expert_axis(leaf)
+  if axis is None or leaf.shape[axis] not in counts:
+    return None
+  layers = {i for i, entry in enumerate(leaf.names) if _is_layer_name(entry)}
+  first = next((i for i in range(len(leaf.shape)) if i not in layers), None)
+  return axis if axis == first else None
+
+
+def axis_name_experts(leaves: list[_paths.Leaf]) -> None:
+  """Undecided leaves whose (well-formed) axis names include an expert axis that their
+  shape confirms (`confirmed_expert_axis`): experts."""
+  counts = router_counts(leaves)
+  for leaf in leaves:
+    axis = None if leaf.tier is not None else confirmed_expert_axis(leaf, counts)
+    if axis is not None:
       leaf.tier, leaf.source = 'experts', 'axis names'
       leaf.why = f'axis {axis} is named {leaf.names[axis]!r}'
       leaf.unit = leaf.segs
 
+
+def _is_layer_name(entry: Any) -> bool:
+  entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+  return any(isinstance(e, str) and LAYER_AXIS_NAME.match(e.lower()) for e in entries)

@@ -105,6 +105,7 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
             found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
   lines = _unit_findings(leaves, use_axis_names)
+  counts = _rules.router_counts(leaves)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:
       leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
@@ -121,8 +122,12 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
       lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
                    f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
-    axis = _rules.named_expert_axis(leaf)
-    if axis is not None and leaf.tier not in ('experts', 'router') and leaf.source != 'rule':
+    # An expert axis name where the shape agrees (a router maps to its length): a bank
+    # that a dense name (`ffn`) or the default left in another tier. Never on a leaf a
+    # rule names (`*embed*`, `*attn*`): sharding names are hints, not structure.
+    axis = _rules.confirmed_expert_axis(leaf, counts)
+    if axis is not None and leaf.tier not in ('experts', 'router') and leaf.source not in (
+        'rule', 'default rule'):
       reason = f'axis {axis} is named {leaf.names[axis]!r} but the leaf is {leaf.tier!r}'
       leaf.note = f'UNSURE: {reason}'
       lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, 'experts')}, or "

@@ -41,7 +41,7 @@ from skewadam_jax.structure.labels import make_labeler
 from skewadam_jax.structure.labels import moe_param_labels
 from skewadam_jax.structure.hidden import hidden_param_labels
 # The warning a guessed label raises (filter it, or make it an error, by its class).
-from skewadam_jax.structure.unsure import UnsureLabelWarning
+from skewadam_jax.structure.warning import UnsureLabelWarning
 # Batch axes: which axes of each leaf index independent matrices (experts, layers).
 from skewadam_jax.structure.axes import moe_batch_axes
 # Structure from the computation: tiers and batch axes read from the traced forward pass.

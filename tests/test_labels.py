@@ -551,3 +551,63 @@ def test_sharding_names_on_a_linen_model_are_hints_not_structure():
     assert {p for p, t in labels.items() if t != 'backbone'} == {
         'params/bank', 'params/router/kernel'}
     assert labels['params/bank'] == 'experts'
+
+
+# ---------------------------------------------------------------------------- the warning
+
+
+def _units_model():
+  """A bank kept as a Python list of units beside its router, with its loss: shapes
+  cannot tell it from dense layers, the computation can (tests/structure_models.py)."""
+  pytest.importorskip('equinox')
+  import structure_models  # noqa: PLC0415 (needs Equinox, as test_stacks' models do)
+  return structure_models.units_case()
+
+
+def test_the_unsure_warning_comes_once_from_the_callers_line():
+  case = _units_model()
+  params = case.params
+  calls = [lambda: sj.moe_param_labels(params),
+           lambda: sj.make_labeler()(params),
+           lambda: sj.moe_batch_axes(params),
+           lambda: sj.skewadam(1e-3).init(params),
+           lambda: jax.jit(sj.skewadam(1e-3).init)(params),
+           lambda: optax.chain(optax.clip(1.0), sj.skewadam(1e-3)).init(params),
+           lambda: sj.label_table(sj.skewadam(1e-3), params),
+           lambda: sj.memory_report(sj.skewadam(1e-3), params),
+           lambda: sj.memory_report(optax.adamw(1e-3), params)]
+  for call in calls:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      call()
+    unsure = [w for w in caught if issubclass(w.category, sj.UnsureLabelWarning)]
+    assert len(unsure) == 1, [str(w.message)[:200] for w in unsure]
+    assert (unsure[0].filename, unsure[0].lineno) == (__file__, call.__code__.co_firstlineno)
+    assert 'sj.trace_structure(loss_fn, params, batch)' in str(unsure[0].message)
+
+
+def test_the_code_the_unsure_warning_suggests_gives_the_right_labels():
+  """The message's code, run as printed with the user's loss, params and batch, labels
+  every leaf right; the rule it suggests for a bank is right too."""
+  case = _units_model()
+  params = case.params
+  with pytest.warns(sj.UnsureLabelWarning) as record:
+    guessed = _labels_by_path_of(sj.moe_param_labels(params))
+  assert set(guessed.values()) == {'backbone'}  # lossless while unsure
+  message = str(record[0].message)
+  code = '\n'.join(line[4:] for line in message.splitlines() if line.startswith('    '))
+  assert code.startswith('trace = sj.trace_structure(')
+  namespace = {'sj': sj, 'loss_fn': case.fn, 'params': params, 'batch': case.args[0],
+               'learning_rate': 1e-3}
+  exec(code, namespace)  # noqa: S102 (the printed fix, run as printed)
+  assert _labels_by_path_of(namespace['trace'].labels) == case.tiers
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    rows = sj.label_table(namespace['tx'], params)
+  assert {r.path: r.tier for r in rows} == case.tiers
+  assert {r.path: r.batch_axes for r in rows} == case.axes
+  # The rules it names for the bank reading: right on this bank, and quiet.
+  rule = re.search(r'if it is a bank, label it: (sj\.make_labeler\(\[.*?\]\))', message)[1]
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    assert _labels_by_path_of(eval(rule, {'sj': sj})(params)) == case.tiers  # noqa: S307

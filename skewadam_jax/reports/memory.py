@@ -25,6 +25,7 @@ import optax
 from skewadam_jax.transforms import alias as _alias
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.transforms import tiers as _tiered
 from skewadam_jax.reports import trace as _trace
 from skewadam_jax.core import tree as _tree
@@ -143,6 +144,7 @@ def _deprecated(old: str, new: str) -> None:
   warnings.warn(f'{old} is deprecated: call {new}.', DeprecationWarning, stacklevel=3)
 
 
+@_warning.reported_once  # labels for the rows and the skewadam's: one warning
 def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryReport:
   """Per-tier parameter and optimizer-state bytes of `tx` on `params` (eval_shape only).
 
@@ -251,6 +253,7 @@ class LabelTable(collections.abc.Sequence):
     return '\n'.join(out)
 
 
+@_warning.reported_once
 def label_table(tx: Any, params: Any = None, *old_args: Any,
                 tiers: Optional[Mapping[str, _tiered.Tier]] = None, param_labels: Any = None,
                 batch_axes: Any = None) -> LabelTable:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import jax
@@ -46,7 +45,7 @@ from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure import rules as _rules
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import stacks as _stacks
-from skewadam_jax.structure import unsure as _unsure
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.core import tree as _tree
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
@@ -127,6 +126,7 @@ def _labels_for(params: Any, labels: Any) -> tuple[Any, bool]:
   return _labels.resolve_labels(params, labels), reported
 
 
+@_warning.reported_once
 def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
            use_axis_names: bool = False, warn: bool = True,
            labels_reported: Optional[bool] = None) -> tuple[list[_paths.Leaf], Any]:
@@ -171,10 +171,8 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
       leaf.axes = _structure(leaf, i in banked)
       default = set(_second_moment.default_batch_axes(len(leaf.shape)))
       leaf.source = 'default' if leaf.axes == default and not leaf.scan else 'structure'
-  if unsure and warn:
-    body = '\n'.join(f'  - {line}' for line in unsure)
-    warnings.warn(f'skewadam_jax batch axes: these stacks are ambiguous:\n{body}',
-                  _unsure.UnsureLabelWarning, stacklevel=3)
+  if warn:
+    _warning.report(unsure, strict=False)
   return leaves, treedef
 
 

@@ -48,6 +48,7 @@ from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import shapes as _shapes
 from skewadam_jax.structure import stacks as _stacks
 from skewadam_jax.structure import unsure as _unsure
+from skewadam_jax.structure import warning as _warning
 
 Rule = _rules.Rule
 DEFAULT_TIER = _rules.DEFAULT_TIER
@@ -80,8 +81,9 @@ class Labeler:
   def explain(self, params: Any, *, use_axis_names: bool = False
               ) -> tuple[Any, list[str]]:
     """(labels, a note per leaf in flattening order); warns or raises once if unsure."""
-    leaves, treedef, found = self._decide(params, use_axis_names)
-    _unsure.report(_unsure.findings(leaves, use_axis_names, found), self.strict)
+    with _warning.one_warning():
+      leaves, treedef, found = self._decide(params, use_axis_names)
+      _warning.report(_unsure.findings(leaves, use_axis_names, found), self.strict)
     notes = [x.note or (f'{x.source}: {x.why}' if x.source in ('structure', 'axis names')
                         else '') for x in leaves]
     return treedef.unflatten([x.tier for x in leaves]), notes

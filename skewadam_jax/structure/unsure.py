@@ -3,22 +3,17 @@
 The findings name the leaves whose tier is a guess (numbered units beside a router
 candidate, subtrees that read as a stack and as a bank alike, rank >= 3 leaves left in
 the default tier, an expert axis name on a leaf of another tier, experts without a
-router or a router without experts), with the rules that settle each; `report` turns
-them into one `UnsureLabelWarning` (or a `ValueError` when strict).
+router or a router without experts), with the rules that settle each; `warning.report` turns
+them into one `UnsureLabelWarning` per call (or a `ValueError` when strict).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import stacks as _stacks
-
-
-class UnsureLabelWarning(UserWarning):
-  """Some leaves' tiers are guesses: add rules (`make_labeler`) or pass `strict=True`."""
 
 
 def _rule_hint(path: str, tier: str) -> str:
@@ -149,19 +144,3 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
                  f'{_rule_hint(hint, missing)}, or these leaves, e.g. '
                  f"{_rule_hint(guessed[0].path, 'backbone')}")
   return lines
-
-
-def report(lines: list[str], strict: bool) -> None:
-  """One warning (or, if `strict`, one ValueError) listing every unsure finding."""
-  if not lines:
-    return
-  shown = lines[:10] + ([f'... and {len(lines) - 10} more'] if len(lines) > 10 else [])
-  body = '\n'.join(f'  - {line}' for line in shown)
-  if strict:
-    raise ValueError('skewadam_jax could not label these parameters with confidence '
-                     f'(strict=True):\n{body}\nPass rules as '
-                     "param_labels=sj.make_labeler([('<pattern>', '<tier>')], strict=True).")
-  warnings.warn('skewadam_jax labels: these parameters are labelled by a guess:\n'
-                f'{body}\nAdd rules with sj.make_labeler([(\'<pattern>\', \'<tier>\')]) '
-                '(strict=True makes this an error).', UnsureLabelWarning, stacklevel=4)
-

@@ -14,6 +14,7 @@ from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.structure import hidden as _hidden
 from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.transforms import tiers as _tiered
 from skewadam_jax.transforms import recording as _recording
 from skewadam_jax.core import tree as _tree
@@ -156,11 +157,14 @@ def skewadam(
     return jax.tree.map(lambda m, sub: jax.tree.map(lambda flag: bool(m) and flag, sub),
                         user, flags)
 
-  return optax.chain(
+  chain = optax.chain(
       optax.GradientTransformation(init_fn, update_fn),
       _add_decayed_weights(weight_decay, decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
+  # The tiers and the decay mask label the same tree: one warning per call if unsure.
+  return chain._replace(init=_warning.reported_once(chain.init),
+                        update=_warning.reported_once(chain.update))
 
 
 def _keyword_only_after_eps(fn: Callable[..., Any]) -> Callable[..., Any]:

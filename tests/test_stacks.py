@@ -336,14 +336,14 @@ def test_the_default_on_the_traced_structure_models_is_right_or_reported(traced_
 # ---------------------------------------------------------------------------- container names
 
 
-L_, E_ = 3, 4  # layers and experts of the stacked MoE layers below (L < E, L > 1)
-# The leaves of one MoE layer, stacked over L layers: name -> (shape, tier, batch axes).
-MOE_LAYER = {'wq': ((L_, D, D), 'backbone', (0,)), 'norm': ((L_, D), 'backbone', (0,)),
-             'router': ((L_, D, E_), 'router', (0,)),
-             'w1': ((L_, E_, D, F), 'experts', (0, 1)),
-             'w2': ((L_, E_, F, D), 'experts', (0, 1))}
-# The same layer whose leaves say nothing (the router found by its shape alone).
-NAMELESS_LAYER = dict(zip(('a', 'b', 'c', 'd', 'e'), MOE_LAYER.values()))
+def _moe_layer(r: int = 3, e: int = 4, nameless: bool = False
+               ) -> dict[str, tuple[tuple[int, ...], str, tuple[int, ...]]]:
+  """The leaves of one MoE layer stacked over R layers: name -> (shape, tier, batch
+  axes); `nameless`: leaves that say nothing (the router found by its shape alone)."""
+  layer = {'wq': ((r, D, D), 'backbone', (0,)), 'norm': ((r, D), 'backbone', (0,)),
+           'router': ((r, D, e), 'router', (0,)), 'w1': ((r, e, D, F), 'experts', (0, 1)),
+           'w2': ((r, e, F, D), 'experts', (0, 1))}
+  return dict(zip('abcde', layer.values())) if nameless else layer
 
 
 def _moe_layers(containers: tuple[str, ...], layer: dict[str, Any]
@@ -370,7 +370,7 @@ def test_container_names_do_not_decide(containers, layer):
   containers are called, at the root too: the layer axis is read from the router [L, d,
   E] and bank [L, E, d, f] inside the stack, not from a module name; `wq` [L, d, d] is
   no bank and the stacked norm [L, d] keeps its layer axis. No warning."""
-  tree, expected = _moe_layers(containers, MOE_LAYER if layer == 'named' else NAMELESS_LAYER)
+  tree, expected = _moe_layers(containers, _moe_layer(nameless=layer == 'nameless'))
   got, text = _default_labels_and_axes(tree)
   assert got == expected
   assert text == ''
@@ -383,10 +383,12 @@ _TOKEN = st.text('abcdfhjklpqrstvwxyz0123456789_', min_size=1, max_size=8).filte
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(containers=st.lists(_TOKEN, max_size=3), nameless=st.booleans())
-def test_random_container_names_do_not_decide(containers, nameless):
-  """Any container names that no rule matches: the same answer as at the root."""
-  tree, expected = _moe_layers(tuple(containers), NAMELESS_LAYER if nameless else MOE_LAYER)
+@given(containers=st.lists(_TOKEN, max_size=3), nameless=st.booleans(),
+       r=st.integers(2, 8), e=st.integers(2, 8))
+def test_random_container_names_do_not_decide(containers, nameless, r, e):
+  """Any container names that no rule matches, any R and E (R == E too): the same
+  answer as at the root."""
+  tree, expected = _moe_layers(tuple(containers), _moe_layer(r, e, nameless))
   got, text = _default_labels_and_axes(tree)
   assert got == expected
   assert text == ''

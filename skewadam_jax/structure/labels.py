@@ -7,12 +7,15 @@ so that `init` (boxed Linen params, `nnx.State`) and `update` (the pure arrays t
 1. the user's rules (whole-segment globs, first match wins);
 2. numbered sibling modules (`expert_0 .. expert_{n-1}`): one module per expert;
 3. `DEFAULT_RULES` (first match wins);
-4. logical axis names, only in `moe_param_labels(..., use_axis_names=True)`;
-5. shapes alone (`_stacks`): scanned stacks (a subtree whose leaves all share one
-   axis length that nothing outside has), whose axis is then never read as an expert
-   count, and expert banks (a subtree whose leaves share an axis length E, beside a
-   router candidate [d, E] whose d is an axis of the bank): bank and router, whatever
-   they are called;
+4. logical axis names, only in `moe_param_labels(..., use_axis_names=True)`, and only
+   where the shape agrees (a router maps to the named axis's length): sharding names
+   are hints, not structure;
+5. shapes alone (`stacks`): scanned stacks (a subtree whose leaves all share one
+   axis length that nothing outside has, or a group of children of any module, the
+   root too, that holds a router and its bank under a shared axis), whose axis is then
+   never read as an expert count, and expert banks (a subtree whose leaves share an
+   axis length E, beside a router candidate [d, E] whose d is an axis of the bank):
+   bank and router, whatever they are called;
 6. structure, within one MoE block: leaves beside a router [d, E] whose first axis
    (after the scanned ones) is E are experts; a kernel [..., E] beside a bank of E
    experts is a router;
@@ -30,7 +33,7 @@ pytree nodes); a leaf that is not an array (an Equinox module's function or inte
 field) is static, as `eqx.filter(model, eqx.is_array)` has it: it gets the default
 tier and takes no part in the structure. Leaves the labeler is unsure about are
 reported (a warning, or a `ValueError` when `strict`); so are numbered units of identical
-shapes beside a router candidate (`_stacks.numbered_units`), an expert bank kept as
+shapes beside a router candidate (`stacks.numbered_units`), an expert bank kept as
 separate leaves or unrolled dense layers, which shapes cannot tell apart.
 """
 
@@ -144,7 +147,10 @@ def moe_param_labels(params: Any, rules: Optional[Iterable[Rule]] = None, *,
   experts and a dense MLP's `gate_proj` stay in the backbone.
 
   With `use_axis_names=True`, logical axis names (NNX `sharding_names`, Linen
-  `nn.Partitioned` names; e.g. MaxText's 'exp') also decide leaves that no rule does.
+  `nn.Partitioned` names; e.g. MaxText's 'exp') also decide leaves that no rule does,
+  where the shape agrees: an expert axis name counts on a leaf's first axis (besides
+  layer axes) whose length a router maps to, never on an embedding or a head that a
+  mesh axis called `expert` merely shards.
   They exist only in the model's state, not in the pure arrays `nnx.Optimizer.update`
   passes, so use the result as a label tree computed once, never as a labeler function:
   `sj.skewadam(lr, param_labels=sj.moe_param_labels(nnx.state(model, nnx.Param),

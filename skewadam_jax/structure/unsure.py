@@ -1,16 +1,18 @@
-"""Unsure labels: what the labeler could not decide with confidence, and the warning.
+"""Unsure labels: what the labeler could not decide with confidence.
 
 The findings name the leaves whose tier is a guess (numbered units beside a router
 candidate, subtrees that read as a stack and as a bank alike, rank >= 3 leaves left in
-the default tier, an expert axis name on a leaf of another tier, experts without a
-router or a router without experts), with the rules that settle each; `warning.report` turns
-them into one `UnsureLabelWarning` per call (or a `ValueError` when strict).
+the default tier, vectors beside a router kernel in a flat module, an expert axis name
+that the shape confirms on a leaf of another tier, experts without a router or a router
+without experts), with the rules that settle each; `warning.report` turns them into one
+`UnsureLabelWarning` per call (or a `ValueError` when strict).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import stacks as _stacks
@@ -96,10 +98,38 @@ def _unit_pattern(leaves: list[_paths.Leaf], family: _stacks.Units) -> str:
   return '/'.join(module + ['*' if alone and module else '[0-9]*'])
 
 
+def _router_inputs(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]:
+  """Vectors [d] that nothing decided in one flat module with a router kernel [d, E]
+  and its bank's leaves (`{r [d], s [d], q [d, E], w_in [E, d, f], ...}`, stacked or
+  not): a scale of the router's input (router) or of the block's, a norm (backbone).
+  No shape tells them apart; they stay in the default tier and are reported."""
+  lines = []
+  for router in leaves:
+    core = router.core
+    if router.tier != 'router' or len(core) != 2 or _kernels.is_vector(router.segs):
+      continue
+    module = router.segs[:-1]
+    if not any(x.tier == 'experts' and x.segs[:-1] == module for x in leaves):
+      continue  # the bank has a module of its own: the block's vectors are its norms
+    d = core[1] if router.segs[-1] == 'weight' else core[0]
+    for leaf in leaves:
+      if leaf.segs[:-1] != module or leaf.source != 'default' or leaf.core != (d,) or (
+          leaf.note or (use_axis_names and leaf.names_well_formed)):
+        continue
+      reason = (f'a vector [{d}] beside router kernel {router.path}, which reads that '
+                "width: a scale of the router's input or of the block's (a norm), which no "
+                f'name tells apart; left in {leaf.tier!r} by default')
+      leaf.note = f'UNSURE: {reason}'
+      lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it scales the '
+                   f"router's input, label it: {_rule_hint(leaf.path, 'router')}, or "
+                   f'confirm it: {_rule_hint(leaf.path, leaf.tier)}')
+  return lines
+
+
 def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
             found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
-  lines = _unit_findings(leaves, use_axis_names)
+  lines = _unit_findings(leaves, use_axis_names) + _router_inputs(leaves, use_axis_names)
   counts = _rules.router_counts(leaves)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:

@@ -34,14 +34,14 @@ from skewadam_jax.estimators.orthogonal import Orthogonal
 from skewadam_jax.estimators.base import SecondMoment
 from skewadam_jax.estimators.base import Step
 # Labels: which tier each parameter gets, and your own rules.
-from skewadam_jax.structure.labels import DEFAULT_RULES
-from skewadam_jax.structure.labels import DENSE_RULES
+from skewadam_jax.structure.rules import DEFAULT_RULES
+from skewadam_jax.structure.rules import DENSE_RULES
 from skewadam_jax.structure.labels import Labeler
 from skewadam_jax.structure.labels import make_labeler
 from skewadam_jax.structure.labels import moe_param_labels
 from skewadam_jax.structure.hidden import hidden_param_labels
 # The warning a guessed label raises (filter it, or make it an error, by its class).
-from skewadam_jax.structure.labels import UnsureLabelWarning
+from skewadam_jax.structure.warning import UnsureLabelWarning
 # Batch axes: which axes of each leaf index independent matrices (experts, layers).
 from skewadam_jax.structure.axes import moe_batch_axes
 # Structure from the computation: tiers and batch axes read from the traced forward pass.

@@ -21,7 +21,6 @@ from flax import nnx
 
 import skewadam_jax as sj
 from skewadam_jax.estimators import factored as _factored
-from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import tiers as _tiered
 from tests.test_real_trees import _abstract
@@ -38,7 +37,7 @@ def _axes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
 
 def _quietly(fn, *args, **kwargs):
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     return fn(*args, **kwargs)
 
 
@@ -276,7 +275,7 @@ def test_bad_batch_axes_raise_naming_the_leaf():
 
 def test_rules_come_first_and_a_tree_computed_once_fits_the_pure_arrays():
   params = {'layers': {'a': jnp.zeros((8, 3, 5)), 'b': jnp.zeros((8, 3, 5))}}
-  with pytest.warns(_labels.UnsureLabelWarning, match='layers: axes'):
+  with pytest.warns(sj.UnsureLabelWarning, match='layers: axes'):
     sj.moe_batch_axes(params)  # every axis has one length: which one stacks is unclear
   axes = sj.moe_batch_axes(params, rules=[('layers/**', (1,))])
   assert _axes_by_path(axes) == {'layers/a': (1,), 'layers/b': (1,)}

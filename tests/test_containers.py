@@ -21,7 +21,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import skewadam_jax as sj
-from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.core import tree as _tree
 
@@ -62,7 +61,7 @@ def _moe(key: jax.Array) -> MoE:
 
 def _quiet(fn, *args, **kwargs):
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     return fn(*args, **kwargs)
 
 
@@ -79,7 +78,7 @@ def test_a_callable_module_is_params_not_a_labeler(make):
   spy = Spy(params.w)
   tx = make(1e-3)
   with warnings.catch_warnings():
-    warnings.simplefilter('ignore', _labels.UnsureLabelWarning)  # a lone rank-3 leaf
+    warnings.simplefilter('ignore', sj.UnsureLabelWarning)  # a lone rank-3 leaf
     state = tx.init(spy)
     updates, state = tx.update(jax.tree.map(jnp.ones_like, spy), state, spy)
   assert calls == []  # its forward pass never ran
@@ -88,10 +87,10 @@ def test_a_callable_module_is_params_not_a_labeler(make):
 
 def test_the_minimal_module_reports_and_labels():
   params = Minimal(jnp.ones((4, 8, 16)))
-  with pytest.warns(_labels.UnsureLabelWarning, match='w \\[4, 8, 16\\]'):
+  with pytest.warns(sj.UnsureLabelWarning, match='w \\[4, 8, 16\\]'):
     rows = sj.label_table(sj.skewadam(1e-3), params)
   assert [(r.path, r.tier, r.batch_axes) for r in rows] == [('w', 'backbone', (0,))]
-  with pytest.warns(_labels.UnsureLabelWarning):
+  with pytest.warns(sj.UnsureLabelWarning):
     report = sj.memory_report(sj.skewadam(1e-3), params)
   assert report.total_state_bytes > 0
   labels = sj.make_labeler([('w', 'backbone')])(params)
@@ -143,7 +142,7 @@ def test_equinox_model_trains_under_filter_jit(name):
 
   losses = []
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     for _ in range(30):
       model, opt_state, loss = step(model, opt_state, x, y)
       losses.append(float(loss))
@@ -253,7 +252,7 @@ def test_batch_axes_function_sees_the_given_labels():
   params = {'blk': {'sel': jnp.zeros((D, 3)),  # no router by shape: E is 4, not 3
                     'bank': {'w': jnp.ones((E, D, F)), 'b': jnp.ones((E, F))}}}
   my_labels = {'blk': {'sel': 'router', 'bank': {'w': 'experts', 'b': 'experts'}}}
-  with pytest.warns(_labels.UnsureLabelWarning, match='blk/bank/w'):
+  with pytest.warns(sj.UnsureLabelWarning, match='blk/bank/w'):
     sj.moe_batch_axes(params)  # alone, the default labeler is unsure of the bank
   seen = []
 
@@ -263,7 +262,7 @@ def test_batch_axes_function_sees_the_given_labels():
 
   tx = sj.skewadam(1e-3, param_labels=my_labels, batch_axes=batch_axes)
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     state = tx.init(params)
     tx.update(jax.tree.map(jnp.ones_like, params), state, params)
     rows = {r.path: r for r in sj.label_table(tx, params)}

@@ -11,7 +11,7 @@ from flax import linen as nn
 from flax import nnx
 
 import skewadam_jax as sj
-from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import paths as _paths
 import moe_models as mm
 
@@ -58,14 +58,14 @@ def test_whole_segments_only():
   assert _paths.match_path('*moe*/**/wo', 'decoder/MoeBlock_0/wo')
   assert _paths.match_path('*moe*/**/wo', 'decoder/moe/inner/wo')
   assert not _paths.match_path('*moe*/**/wo', 'decoder/mlp/wo')
-  assert _labels.label_for_path('anything/else') == 'backbone'
+  assert _rules.label_for_path('anything/else') == 'backbone'
 
 
 def test_user_rules_come_first_and_default_is_backbone():
   tree = {'moe': {'experts': {'w1': jnp.zeros((2, 3, 4))}, 'router': jnp.zeros((3, 2))},
           'mystery': jnp.zeros(3)}
   # The user's rule leaves the experts without a router: reported, labels unchanged.
-  with pytest.warns(_labels.UnsureLabelWarning,
+  with pytest.warns(sj.UnsureLabelWarning,
                     match="moe/experts/w1: labelled 'experts' but no leaf .* 'router'"):
     labels = sj.moe_param_labels(tree, rules=[('moe/router', 'backbone'),
                                               ('mystery', 'experts')])
@@ -129,7 +129,7 @@ def test_prefix_label_tree_is_broadcast():
 
 def _quiet_labels(tree, **kwargs):
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     return _labels_by_path_of(sj.moe_param_labels(tree, **kwargs))
 
 
@@ -264,9 +264,9 @@ def test_structure_works_on_abstract_leaves_and_under_jit():
 
 
 def test_experts_without_router_and_router_without_experts_are_reported():
-  with pytest.warns(_labels.UnsureLabelWarning, match="moe/experts/w1: labelled 'experts'"):
+  with pytest.warns(sj.UnsureLabelWarning, match="moe/experts/w1: labelled 'experts'"):
     sj.moe_param_labels({'moe': {'experts': {'w1': jnp.zeros((4, 8, 6))}}})
-  with pytest.warns(_labels.UnsureLabelWarning, match="moe/router: labelled 'router'"):
+  with pytest.warns(sj.UnsureLabelWarning, match="moe/router: labelled 'router'"):
     sj.moe_param_labels({'moe': {'router': jnp.zeros((8, 4))}})
   with pytest.raises(ValueError, match=r"moe/router: .*sj\.make_labeler"):
     sj.moe_param_labels({'moe': {'router': jnp.zeros((8, 4))}}, strict=True)
@@ -277,7 +277,7 @@ def test_experts_without_router_and_router_without_experts_are_reported():
 
 def test_label_table_format_has_a_note_column():
   tree = {'moe': {'experts': {'w1': jnp.zeros((4, 8, 6))}}}
-  with pytest.warns(_labels.UnsureLabelWarning):
+  with pytest.warns(sj.UnsureLabelWarning):
     text = sj.label_table(sj.skewadam(1e-3), tree).format()
   header = text.splitlines()[0].split()
   assert header[-1] == 'note'
@@ -308,11 +308,11 @@ class _NamedBank(nnx.Module):
 
 def test_axis_names_only_confirm_in_a_labeler_function():
   state = nnx.state(_NamedBank(nnx.Rngs(0)), nnx.Param)
-  with pytest.warns(_labels.UnsureLabelWarning) as rec:
+  with pytest.warns(sj.UnsureLabelWarning) as rec:
     labels = sj.moe_param_labels(state)  # names do not decide: same as on pure arrays
   assert _labels_by_path_of(labels)['ffn_bank'] == 'backbone'
   # Without names the bank looks like a dense `ffn`; the lone router still gets reported.
-  with pytest.warns(_labels.UnsureLabelWarning, match="moe/router/kernel: labelled 'router'"):
+  with pytest.warns(sj.UnsureLabelWarning, match="moe/router/kernel: labelled 'router'"):
     pure = sj.make_labeler()(nnx.to_pure_dict(state))
   assert _labels_by_path_of(pure) == _labels_by_path_of(labels)
   message = str(rec[0].message)
@@ -324,7 +324,7 @@ def test_axis_names_only_confirm_in_a_labeler_function():
 def test_label_tree_from_axis_names_trains_with_nnx_optimizer():
   model = _NamedBank(nnx.Rngs(0))
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     labels = sj.moe_param_labels(nnx.state(model, nnx.Param), use_axis_names=True)
     assert _labels_by_path_of(labels) == {'tok/embedding': 'backbone',
                                           'moe/router/kernel': 'router',
@@ -349,7 +349,7 @@ def test_a_bare_router_kernel_brings_only_its_bias_into_the_router_tier():
           'blk': {'sel': z(16, 4), 'sel_b': z(4), 'scale': z(16), 'w': z(16, 16),
                   'experts': {'w_in': z(4, 16, 32), 'w_out': z(4, 32, 16)}}}
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     labels = sj.moe_param_labels(tree)
   assert labels['blk'] == {'sel': 'router', 'sel_b': 'router', 'scale': 'backbone',
                            'w': 'backbone', 'experts': {'w_in': 'experts',
@@ -365,7 +365,7 @@ def _unsure(tree, **kwargs):
     warnings.simplefilter('always')
     labels = _labels_by_path_of(sj.moe_param_labels(tree, **kwargs))
   text = '\n'.join(str(w.message) for w in caught
-                   if issubclass(w.category, _labels.UnsureLabelWarning))
+                   if issubclass(w.category, sj.UnsureLabelWarning))
   return labels, text
 
 
@@ -399,10 +399,10 @@ def test_a_list_of_units_beside_a_router_is_reported(container):
   assert f'sj.make_labeler({rule})' in text
   with pytest.raises(ValueError, match='numbered units'):
     sj.make_labeler(strict=True)(tree)
-  with pytest.warns(_labels.UnsureLabelWarning):
+  with pytest.warns(sj.UnsureLabelWarning):
     rows = {r.path: r.note for r in sj.label_table(sj.skewadam(1e-3), tree)}
   assert {p for p, note in rows.items() if note.startswith('UNSURE')} == {*units, 'q'}
-  with pytest.warns(_labels.UnsureLabelWarning):  # the labels moe_batch_axes reads
+  with pytest.warns(sj.UnsureLabelWarning):  # the labels moe_batch_axes reads
     axes = sj.moe_batch_axes(tree)
   assert jax.tree.leaves(axes, is_leaf=lambda x: x == ()) == [()] * 11  # one matrix each
   # The suggested rules settle it either way, quietly.
@@ -466,3 +466,148 @@ def test_a_dense_kernel_mapping_the_width_to_the_layer_count_changes_no_tier():
   assert _named_in('cls', text) and _named_in('blocks_2/w_out', text)
   assert "sj.make_labeler([('blocks_*', 'backbone')])" in text
   sj.make_labeler([('blocks_*', 'backbone')], strict=True)(tree)
+
+
+# ---------------------------------------------------------------------------- sharding names
+
+
+class _ExpertShardedDense(nnx.Module):
+  """An MoE model sharded expert-parallel: the mesh axis `expert` also shards the
+  embedding, the attention and the output layer (dense weights), as well as the bank."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.1)
+    on_expert = nnx.with_partitioning
+    with nnx.use_eager_sharding(False):
+      self.embed = nnx.Embed(mm.V, mm.D, embedding_init=on_expert(init, ('expert', None)),
+                             rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(
+          2, mm.D, mm.D, kernel_init=on_expert(init, ('expert', None, None)), use_bias=False,
+          decode=False, rngs=rngs)
+      self.router = nnx.Linear(mm.D, mm.E, use_bias=False,
+                               kernel_init=on_expert(init, (None, 'expert')), rngs=rngs)
+      self.bank = nnx.Param(init(rngs.params(), (mm.E, mm.D, mm.F)),
+                            out_sharding=('expert', None, None))
+      self.out = nnx.Linear(mm.D, mm.V, use_bias=False,
+                            kernel_init=on_expert(init, (None, 'expert')), rngs=rngs)
+      self.lm_head = nnx.Param(init(rngs.params(), (mm.D, mm.V)),
+                               out_sharding=(None, 'expert'))
+
+
+_SHARDED_EXPECTED = {'attn/key/kernel': ('backbone', ()), 'attn/out/kernel': ('backbone', ()),
+                     'attn/query/kernel': ('backbone', ()),
+                     'attn/value/kernel': ('backbone', ()),
+                     'bank': ('experts', (0,)), 'embed/embedding': ('backbone', ()),
+                     'lm_head': ('backbone', ()), 'out/kernel': ('backbone', ()),
+                     'router/kernel': ('router', ())}
+
+
+@pytest.mark.parametrize('use_axis_names', [False, True])
+def test_sharding_names_are_hints_not_structure(use_axis_names):
+  """A mesh axis called `expert` on dense weights (embedding, attention, output layer)
+  neither warns nor changes their tiers or batch axes, with or without
+  `use_axis_names`; on the bank, whose router maps to its length, it confirms."""
+  state = nnx.state(_ExpertShardedDense(nnx.Rngs(0)), nnx.Param)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    labels = sj.moe_param_labels(state, use_axis_names=use_axis_names)
+    axes = sj.moe_batch_axes(state, labels, use_axis_names=use_axis_names)
+    rows = sj.label_table(sj.skewadam(1e-3, param_labels=labels, batch_axes=axes), state)
+    default_rows = sj.label_table(sj.skewadam(1e-3), state)
+  got = {path: (tier, tuple(a)) for (path, tier), a in zip(
+      _labels_by_path_of(labels).items(), jax.tree_util.tree_leaves(
+          axes, is_leaf=lambda x: isinstance(x, tuple)))}
+  assert got == _SHARDED_EXPECTED
+  for table in (rows, default_rows):
+    assert {r.path: (r.tier, r.batch_axes) for r in table} == _SHARDED_EXPECTED
+    assert not any(r.note.startswith('UNSURE') for r in table)
+
+
+def test_sharding_names_on_a_linen_model_are_hints_not_structure():
+  """The same with Linen's logical partitioning (`nn.with_logical_partitioning`)."""
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, tokens):
+      on = nn.with_logical_partitioning
+      init = nn.initializers.normal(0.1)
+      x = nn.Embed(mm.V, mm.D, embedding_init=on(init, ('expert', None)), name='embed')(tokens)
+      x = nn.MultiHeadDotProductAttention(2, kernel_init=on(init, ('expert', None, None)),
+                                          use_bias=False, name='attn')(x)
+      gates = nn.Dense(mm.E, use_bias=False, kernel_init=on(init, (None, 'expert')),
+                       name='router')(x)
+      bank = self.param('bank', on(init, ('expert', None, None)), (mm.E, mm.D, mm.F))
+      h = jnp.einsum('btd,edf,bte->btf', x, bank, gates)
+      return nn.Dense(mm.V, kernel_init=on(init, (None, 'expert')), use_bias=False,
+                      name='head')(h @ jnp.ones((mm.F, mm.D)))
+
+  variables = jax.eval_shape(Model().init, jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+  for use_axis_names in (False, True):
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', sj.UnsureLabelWarning)
+      labels = _labels_by_path_of(sj.moe_param_labels(variables,
+                                                      use_axis_names=use_axis_names))
+    assert {p for p, t in labels.items() if t != 'backbone'} == {
+        'params/bank', 'params/router/kernel'}
+    assert labels['params/bank'] == 'experts'
+
+
+# ---------------------------------------------------------------------------- the warning
+
+
+def _units_model():
+  """A bank kept as a Python list of units beside its router, with its loss: shapes
+  cannot tell it from dense layers, the computation can (tests/structure_models.py)."""
+  pytest.importorskip('equinox')
+  import structure_models  # noqa: PLC0415 (needs Equinox, as test_stacks' models do)
+  return structure_models.units_case()
+
+
+def test_the_unsure_warning_comes_once_from_the_callers_line():
+  case = _units_model()
+  params = case.params
+  calls = [lambda: sj.moe_param_labels(params),
+           lambda: sj.make_labeler()(params),
+           lambda: sj.moe_batch_axes(params),
+           lambda: sj.skewadam(1e-3).init(params),
+           lambda: jax.jit(sj.skewadam(1e-3).init)(params),
+           lambda: optax.chain(optax.clip(1.0), sj.skewadam(1e-3)).init(params),
+           lambda: sj.label_table(sj.skewadam(1e-3), params),
+           lambda: sj.memory_report(sj.skewadam(1e-3), params),
+           lambda: sj.memory_report(optax.adamw(1e-3), params)]
+  for call in calls:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      call()
+    unsure = [w for w in caught if issubclass(w.category, sj.UnsureLabelWarning)]
+    assert len(unsure) == 1, [str(w.message)[:200] for w in unsure]
+    assert (unsure[0].filename, unsure[0].lineno) == (__file__, call.__code__.co_firstlineno)
+    assert 'sj.trace_structure(loss_fn, params, batch)' in str(unsure[0].message)
+
+
+def test_the_code_the_unsure_warning_suggests_gives_the_right_labels():
+  """The message's code, run as printed with the user's loss, params and batch, labels
+  every leaf right; the rule it suggests for a bank is right too."""
+  case = _units_model()
+  params = case.params
+  with pytest.warns(sj.UnsureLabelWarning) as record:
+    guessed = _labels_by_path_of(sj.moe_param_labels(params))
+  assert set(guessed.values()) == {'backbone'}  # lossless while unsure
+  message = str(record[0].message)
+  code = '\n'.join(line[4:] for line in message.splitlines() if line.startswith('    '))
+  assert code.startswith('trace = sj.trace_structure(')
+  namespace = {'sj': sj, 'loss_fn': case.fn, 'params': params, 'batch': case.args[0],
+               'learning_rate': 1e-3}
+  exec(code, namespace)  # noqa: S102 (the printed fix, run as printed)
+  assert _labels_by_path_of(namespace['trace'].labels) == case.tiers
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    rows = sj.label_table(namespace['tx'], params)
+  assert {r.path: r.tier for r in rows} == case.tiers
+  assert {r.path: r.batch_axes for r in rows} == case.axes
+  # The rules it names for the bank reading: right on this bank, and quiet.
+  rule = re.search(r'if it is a bank, label it: (sj\.make_labeler\(\[.*?\]\))', message)[1]
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    assert _labels_by_path_of(eval(rule, {'sj': sj})(params)) == case.tiers  # noqa: S307

@@ -56,7 +56,7 @@ def _by_path(labels: Any) -> dict[str, str]:
 def _label_quietly(labeler, tree: Any) -> dict[str, str]:
   """Labels by path; fails if the labeler warns (every recorded leaf is judged clearly)."""
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     return _by_path(labeler(tree))
 
 
@@ -107,7 +107,7 @@ def test_axis_names_confirm_and_never_change_the_function_labels(record):
   got = _label_quietly(sj.make_labeler(), state)
   assert got == expected, _summary(record['model'], got, expected)
   with warnings.catch_warnings():
-    warnings.simplefilter('error', _labels.UnsureLabelWarning)
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
     labels = sj.moe_param_labels(state, use_axis_names=True)
   assert _by_path(labels) == expected, _summary(record['model'], _by_path(labels), expected)
 
@@ -129,11 +129,11 @@ MYSTERY = {'embed': {'embedding': jnp.zeros((16, 8))},
 
 
 def test_unrecognised_3d_leaf_warns_with_its_path():
-  with pytest.warns(_labels.UnsureLabelWarning, match='layers_0/mystery_block/w_in') as rec:
+  with pytest.warns(sj.UnsureLabelWarning, match='layers_0/mystery_block/w_in') as rec:
     labels = sj.moe_param_labels(MYSTERY)
   assert len(rec) == 1  # once per labeler call, not per leaf
   assert labels['layers_0']['mystery_block']['w_in'] == 'backbone'  # lossless default
-  with pytest.warns(_labels.UnsureLabelWarning):
+  with pytest.warns(sj.UnsureLabelWarning):
     rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), MYSTERY)}
   assert rows['layers_0/mystery_block/w_in'].note.startswith('UNSURE: rank-3 leaf')
   assert rows['embed/embedding'].note == ''

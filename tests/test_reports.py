@@ -111,6 +111,38 @@ def test_old_spellings_still_work_with_a_deprecation_warning():
     assert sj.format_label_table(list(old)) == new.format()
 
 
+def test_old_positional_forms_work_with_a_deprecation_warning():
+  """The documented pre-deprecation order `label_table(params, tiers, param_labels,
+  batch_axes)`, by position, by keyword or mixed, reads the skewadam it describes."""
+  labels = {'embed': 'backbone', 'norm': 'backbone', 'moe': {'router': 'router',
+                                                            'experts': {'w1': 'experts'}}}
+  axes = {'embed': (), 'norm': (), 'moe': {'router': (), 'experts': {'w1': (0,)}}}
+  tiers = sj.ADAM_EPS_TIERS
+  new = _summary(sj.label_table(sj.skewadam(1e-3, tiers=tiers, param_labels=labels,
+                                            batch_axes=axes), PARAMS))
+  for call in (lambda: sj.label_table(PARAMS, tiers, labels, axes),
+               lambda: sj.label_table(PARAMS, tiers, labels, batch_axes=axes),
+               lambda: sj.label_table(PARAMS, tiers, param_labels=labels, batch_axes=axes),
+               lambda: sj.label_table(PARAMS, tiers=tiers, param_labels=labels,
+                                      batch_axes=axes)):
+    with pytest.deprecated_call(match=r'sj.label_table\(sj.skewadam\(lr, tiers='):
+      assert _summary(call()) == new
+  with pytest.deprecated_call():
+    assert _summary(sj.label_table(PARAMS, tiers)) == _summary(
+        sj.label_table(sj.skewadam(1e-3, tiers=tiers), PARAMS))
+  with pytest.deprecated_call(), pytest.raises(TypeError, match='got `tiers` twice'):
+    sj.label_table(PARAMS, tiers, tiers=tiers)
+  with pytest.deprecated_call(), pytest.raises(TypeError, match='got `batch_axes` twice'):
+    sj.label_table(PARAMS, tiers, labels, axes, batch_axes=axes)
+  # memory_report's old order, (params, tx), with and without its keyword labels.
+  tx = sj.skewadam(1e-3, tiers=tiers)
+  with pytest.deprecated_call(match=r'call sj.memory_report\(tx, params\)'):
+    assert sj.memory_report(PARAMS, tx) == sj.memory_report(tx, PARAMS)
+  with pytest.deprecated_call():
+    assert sj.memory_report(PARAMS, tx, param_labels=labels) == sj.memory_report(
+        tx, PARAMS, param_labels=labels)
+
+
 def test_memory_report_groups_every_optimizer_by_the_same_labels():
   params = {'embed': S((64, 8), F32), 'mlp': S((8, 32), F32), 'norm': S((8,), F32)}
   tx = sj.skewadam(1e-3, tiers=sj.MUON_TIERS)

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from hypothesis import given, HealthCheck, settings
+from hypothesis import strategies as st
 
 import skewadam_jax as sj
-from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 
 V, D, H, F = 64, 16, 24, 32
@@ -120,7 +121,7 @@ def _report(tree: Any) -> tuple[dict[str, sj.LeafReport], str]:
     warnings.simplefilter('always')
     rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), tree)}
   text = '\n'.join(str(w.message) for w in caught
-                   if issubclass(w.category, _labels.UnsureLabelWarning))
+                   if issubclass(w.category, sj.UnsureLabelWarning))
   return rows, text
 
 
@@ -195,7 +196,7 @@ def test_a_stack_and_a_bank_that_could_be_confused_are_reported():
   tree = {'tok': {'table': _z(V, D)},
           'blk': {'proj': {'kernel': _z(D, 4)},
                   'grp': {'w_in': _z(6, 4, D, F), 'w_out': _z(6, 4, F, D)}}}
-  with pytest.warns(_labels.UnsureLabelWarning,
+  with pytest.warns(sj.UnsureLabelWarning,
                     match=r'blk/grp/\*\* \(blk/grp/w_in(.|\n)*could be confused'):
     rows = {r.path: r for r in sj.label_table(sj.skewadam(1e-3), tree)}
   assert rows['blk/grp/w_in'].note.startswith('UNSURE')
@@ -282,7 +283,7 @@ def _default_labels_and_axes(params: Any) -> tuple[dict[str, tuple[str, tuple[in
     labels = sj.moe_param_labels(params)
     axes = sj.moe_batch_axes(params)
   text = '\n'.join(str(w.message) for w in caught
-                   if issubclass(w.category, _labels.UnsureLabelWarning))
+                   if issubclass(w.category, sj.UnsureLabelWarning))
   flat_labels, treedef = jax.tree_util.tree_flatten_with_path(labels)
   got = {}
   for (path, tier), leaf_axes in zip(flat_labels, treedef.flatten_up_to(axes)):
@@ -330,3 +331,78 @@ def test_the_default_on_the_traced_structure_models_is_right_or_reported(traced_
   print(f'{case.name}: leaves={len(case.tiers)} right={len(right)} '
         f'wrong-but-warned={len(warned)} silent-wrong={len(silent)}')
   assert silent == []
+
+
+# ---------------------------------------------------------------------------- container names
+
+
+def _moe_layer(r: int = 3, e: int = 4, nameless: bool = False
+               ) -> dict[str, tuple[tuple[int, ...], str, tuple[int, ...]]]:
+  """The leaves of one MoE layer stacked over R layers: name -> (shape, tier, batch
+  axes); `nameless`: leaves that say nothing (the router found by its shape alone)."""
+  layer = {'wq': ((r, D, D), 'backbone', (0,)), 'norm': ((r, D), 'backbone', (0,)),
+           'router': ((r, D, e), 'router', (0,)), 'w1': ((r, e, D, F), 'experts', (0, 1)),
+           'w2': ((r, e, F, D), 'experts', (0, 1))}
+  return dict(zip('abcde', layer.values())) if nameless else layer
+
+
+def _moe_layers(containers: tuple[str, ...], layer: dict[str, Any]
+                ) -> tuple[Any, dict[str, tuple[str, tuple[int, ...]]]]:
+  """An embedding [V, d] beside a scanned stack of MoE layers put under `containers`
+  (the root when empty), and the expected (tier, batch axes) by path."""
+  stack = {name: _z(*shape) for name, (shape, _, _) in layer.items()}
+  for name in reversed(containers):
+    stack = {name: stack}
+  prefix = ''.join(f'{c}/' for c in containers)
+  expected = {f'{prefix}{name}': (tier, axes) for name, (_, tier, axes) in layer.items()}
+  return {'emb': _z(V, D), **stack}, {'emb': ('backbone', ()), **expected}
+
+
+CONTAINERS = [(), ('blocks',), ('stack',), ('body',), ('blk',), ('xq7',), ('t0k3n',),
+              ('model', 'zq'), ('a', 'b', 'c')]
+
+
+@pytest.mark.parametrize('layer', ['named', 'nameless'])
+@pytest.mark.parametrize('containers', CONTAINERS, ids=['root' if not c else '/'.join(c)
+                                                        for c in CONTAINERS])
+def test_container_names_do_not_decide(containers, layer):
+  """A scanned stack of MoE layers gets the same tiers and batch axes whatever its
+  containers are called, at the root too: the layer axis is read from the router [L, d,
+  E] and bank [L, E, d, f] inside the stack, not from a module name; `wq` [L, d, d] is
+  no bank and the stacked norm [L, d] keeps its layer axis. No warning where the leaves
+  are named as usual."""
+  tree, expected = _moe_layers(containers, _moe_layer(nameless=layer == 'nameless'))
+  got, text = _default_labels_and_axes(tree)
+  assert got == expected
+  _assert_quiet_unless_nameless(text, containers, layer == 'nameless')
+
+
+def _assert_quiet_unless_nameless(text: str, containers: tuple[str, ...], nameless: bool
+                                  ) -> None:
+  """Named leaves: no warning. Nameless ones: one finding (in the warning of each call),
+  on the vector `b` [R, d] beside the router, which may scale the router's input or be a
+  norm (it stays backbone)."""
+  if not nameless:
+    assert text == ''
+    return
+  lines = sorted({line for line in text.splitlines() if line.startswith('  - ')})
+  assert len(lines) == 1 and lines[0].startswith(f"  - {''.join(f'{c}/' for c in containers)}b ")
+  assert "if it scales the router's input" in lines[0]
+
+
+_RULES = sj.DEFAULT_RULES + sj.DENSE_RULES
+_TOKEN = st.text('abcdfhjklpqrstvwxyz0123456789_', min_size=1, max_size=8).filter(
+    lambda name: not any(_paths.match_path(pattern, name) for pattern, _ in _RULES))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(containers=st.lists(_TOKEN, max_size=3), nameless=st.booleans(),
+       r=st.integers(2, 8), e=st.integers(2, 8))
+def test_random_container_names_do_not_decide(containers, nameless, r, e):
+  """Any container names that no rule matches, any R and E (R == E too): the same
+  answer as at the root."""
+  tree, expected = _moe_layers(tuple(containers), _moe_layer(r, e, nameless))
+  got, text = _default_labels_and_axes(tree)
+  assert got == expected
+  _assert_quiet_unless_nameless(text, tuple(containers), nameless)

@@ -25,6 +25,7 @@ import optax
 from skewadam_jax.transforms import alias as _alias
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.reports import trace as _trace
 from skewadam_jax.core import tree as _tree
@@ -143,6 +144,7 @@ def _deprecated(old: str, new: str) -> None:
   warnings.warn(f'{old} is deprecated: call {new}.', DeprecationWarning, stacklevel=3)
 
 
+@_warning.reported_once  # labels for the rows and the skewadam's: one warning
 def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryReport:
   """Per-tier parameter and optimizer-state bytes of `tx` on `params` (eval_shape only).
 
@@ -245,8 +247,10 @@ class LabelTable(collections.abc.Sequence):
     return '\n'.join(out)
 
 
-def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.Tier]] = None,
-                param_labels: Any = None, batch_axes: Any = None) -> LabelTable:
+@_warning.reported_once
+def label_table(tx: Any, params: Any = None, *old_args: Any,
+                tiers: Optional[Mapping[str, _tier.Tier]] = None, param_labels: Any = None,
+                batch_axes: Any = None) -> LabelTable:
   """Every leaf with its path, shape, tier, batch axes, estimator, state bytes and a note,
   as the `skewadam` in `tx` gives them.
 
@@ -261,8 +265,8 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.
   tier `-`.
 
   The old form `label_table(params, tiers=None, param_labels=None, batch_axes=None)`
-  still works, with a DeprecationWarning; it reads `sj.skewadam(lr, tiers=tiers,
-  param_labels=param_labels, batch_axes=batch_axes)`.
+  still works, by position or keyword, with a DeprecationWarning; it reads
+  `sj.skewadam(lr, tiers=tiers, param_labels=param_labels, batch_axes=batch_axes)`.
 
   Args:
     tx: the optimizer; it must contain an `sj.skewadam`.
@@ -284,7 +288,7 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.
     [('moe/experts/w1', 'experts', 'factored', 384), ('moe/router', 'router', 'exact', 128)]
   """
   if _checks.is_transform(tx):
-    if (tiers, param_labels, batch_axes) != (None, None, None):
+    if old_args or (tiers, param_labels, batch_axes) != (None, None, None):
       raise TypeError('`sj.label_table(tx, params)` reads the tiers, labels and batch axes '
                       'from `tx`: pass `tiers`, `param_labels` and `batch_axes` to '
                       '`sj.skewadam`.')
@@ -294,9 +298,9 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.
     _deprecated('sj.label_table(params, tiers=..., param_labels=..., batch_axes=...)',
                 'sj.label_table(sj.skewadam(lr, tiers=..., param_labels=..., '
                 'batch_axes=...), params)')
-    if params is not None and tiers is not None:
-      raise TypeError('`sj.label_table` got `tiers` twice; call `sj.label_table(tx, params)`.')
-    tiers = params if tiers is None else tiers  # label_table(params, tiers, ...)
+    tiers, param_labels, batch_axes = _old_arguments(
+        (params, *old_args), {'tiers': tiers, 'param_labels': param_labels,
+                              'batch_axes': batch_axes})
     tx, params = _alias.skewadam(1.0, tiers=tiers, param_labels=param_labels,
                                  batch_axes=batch_axes), tx
   trace = _trace.trace_init(tx, params, tiers=True)
@@ -320,6 +324,22 @@ def label_table(tx: Any, params: Any = None, tiers: Optional[Mapping[str, _tier.
         note=got.note if got else 'not updated by the skewadam in `tx`',
         batch_axes=got.batch_axes if got else ()))
   return LabelTable(tuple(rows))
+
+
+def _old_arguments(positional: tuple[Any, ...], named: dict[str, Any]) -> list[Any]:
+  """`tiers`, `param_labels`, `batch_axes` of the old `label_table(params, ...)`, given by
+  position after the params (here `params` and `old_args`) or by keyword."""
+  if len(positional) > len(named):
+    raise TypeError(f'`sj.label_table(params, tiers, param_labels, batch_axes)` takes at most '
+                    f'{len(named)} arguments after the params, got {len(positional)}.')
+  out = []
+  for (name, by_keyword), by_position in zip(
+      named.items(), positional + (None,) * (len(named) - len(positional))):
+    if by_keyword is not None and by_position is not None:
+      raise TypeError(f'`sj.label_table` got `{name}` twice (by position and by keyword); '
+                      'call `sj.label_table(tx, params)`.')
+    out.append(by_position if by_keyword is None else by_keyword)
+  return out
 
 
 def format_label_table(rows: Any) -> str:

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
-import warnings
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import jax
@@ -44,15 +42,14 @@ import jax
 from skewadam_jax.structure import boxes as _flax
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
+from skewadam_jax.structure import rules as _rules
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import stacks as _stacks
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.core import tree as _tree
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
 
-# Logical axis names of a stack of layers (MaxText: 'layers', 'dense_layers',
-# 'moe_layers', 'local_layers'; pipeline stages).
-_LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
 _ATTENTION = ('attn', 'attention')
 # Built-in rules: gemma stacks the k and v projections of `kv_einsum` on axis 0.
 DEFAULT_AXES_RULES: tuple[AxesRule, ...] = (('*kv_einsum/w', (0,)),)
@@ -129,6 +126,7 @@ def _labels_for(params: Any, labels: Any) -> tuple[Any, bool]:
   return _labels.resolve_labels(params, labels), reported
 
 
+@_warning.reported_once
 def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
            use_axis_names: bool = False, warn: bool = True,
            labels_reported: Optional[bool] = None) -> tuple[list[_paths.Leaf], Any]:
@@ -153,8 +151,11 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
       leaf.source = f'rule {text!r}'
   for leaf in leaves:
     if leaf.axes is None and leaf.names_well_formed:
+      # An expert axis name counts on the experts tier only: sharding names are hints,
+      # and a mesh axis called `expert` also shards dense weights.
+      experts = _rules.EXPERT_AXIS_NAMES if leaf.tier == 'experts' else frozenset()
       leaf.axes = {i for i, e in enumerate(leaf.names)
-                   if _named(e, _LAYER_AXIS_NAME, _labels.EXPERT_AXIS_NAMES)}
+                   if _named(e, _rules.LAYER_AXIS_NAME, experts)}
       leaf.source = 'axis names'
   found = _stacks.scan_leaves(leaves, [True] * len(leaves))
   unsure = found.ambiguous + ([] if reported else [line for line, _ in found.confusions])
@@ -170,10 +171,8 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
       leaf.axes = _structure(leaf, i in banked)
       default = set(_second_moment.default_batch_axes(len(leaf.shape)))
       leaf.source = 'default' if leaf.axes == default and not leaf.scan else 'structure'
-  if unsure and warn:
-    body = '\n'.join(f'  - {line}' for line in unsure)
-    warnings.warn(f'skewadam_jax batch axes: these stacks are ambiguous:\n{body}',
-                  _labels.UnsureLabelWarning, stacklevel=3)
+  if warn:
+    _warning.report(unsure, strict=False)
   return leaves, treedef
 
 

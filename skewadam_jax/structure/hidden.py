@@ -27,6 +27,7 @@ from typing import Any, Optional
 from skewadam_jax.structure import axes as _axes
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
+from skewadam_jax.structure import rules as _rules
 from skewadam_jax.estimators import base as _second_moment
 
 HIDDEN_TIER = 'hidden'
@@ -69,7 +70,7 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
   out = []
   for leaf, label, ax in zip(leaves, flat_labels, axes):
     matrix = _second_moment.Layout.of(len(leaf.shape), tuple(ax)).matrix
-    hidden = (label == _labels.DEFAULT_TIER and len(matrix) >= 2
+    hidden = (label == _rules.DEFAULT_TIER and len(matrix) >= 2
               and not _named_embedding(leaf.segs)
               and (vocab is None or vocab not in [leaf.shape[a] for a in matrix]))
     out.append(HIDDEN_TIER if hidden else label)

@@ -24,6 +24,13 @@ explains) when
   Linen's `nn.scan(variable_axes={'params': 1})` lay them out; never of a kernel, which
   may be a router [d, E], nor of a leaf with more axes.)
 
+Whatever the subtree is called, a shared position is the layer axis of stacked MoE
+layers when, with it taken away, the leaves still hold a router [d, E] and its bank
+[E, d, f] (`kernels.moe_layer_axis`): a bank of L experts has no router carrying L. The
+same reading finds such a stack among the children of any module that no subtree
+explains, the root included (`kernels.sibling_stacks`: `{emb [V, d], wq [L, d, d],
+router [L, d, E], w1 [L, E, d, f], ...}`), leaving out the leaves beside it.
+
 A bank may also be the sibling leaves of one module beside their router
 (`ffn/{sel [d, E], w_in [E, d, f], w_out [E, f, d]}`): those are found last.
 
@@ -49,12 +56,11 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
+from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
 
 # Modules that hold scanned (stacked) layers when they are not followed by an index.
 SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
-# Router leaves that do not carry the expert count on a kernel axis.
-NOT_KERNEL = ('bias', 'scale')
 # One numbered unit: a list / tuple / `nnx.List` index or dict key ('0', '1', ...), or
 # `<stem>_<i>` with any stem (no leading zeros, so that each index is one unit).
 _NUMBERED_UNIT = re.compile(r'^(?:(?P<stem>.+?)_)?(?P<idx>0|[1-9][0-9]*)$')
@@ -91,15 +97,6 @@ class Structure:
   # Subtrees that read as a stack of layers and as a bank of experts alike: (the finding
   # with the paths and the fix, the leaves concerned).
   confusions: list[tuple[str, list[int]]]
-
-
-def router_count(core: Sequence[int], torch_layout: bool, dims: set[int]
-                 ) -> Optional[int]:
-  """E if a kernel of core shape `core` maps an axis in `dims` to E outputs, else None."""
-  if len(core) != 2:
-    return None
-  count, other = (core[0], core[1]) if torch_layout else (core[1], core[0])
-  return count if other in dims and other != count else None
 
 
 def _named(prefix: tuple[str, ...], segs: Sequence[tuple[str, ...]], members: list[int]
@@ -166,7 +163,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
     ndim = min(len(shapes[i]) for i in members)
     common = [p for p in range(ndim) if p not in known and shapes[members[0]][p] > 1
               and len({shapes[i][p] for i in members}) == 1
-              and all(p != f[-1] or (len(f) == 2 and _vector(segs[i]))
+              and all(p != f[-1] or (len(f) == 2 and _kernels.is_vector(segs[i]))
                       for i, f in zip(members, free))]
     if not common:
       continue
@@ -174,6 +171,12 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
     outside = [i for i in arrays if i not in inside]
     if all(tiers[i] == 'experts' for i in members):
       seen.add(key)  # a bank by its names: its expert axis is the experts tier's
+      continue
+    layer = _kernels.moe_layer_axis(members, common, segs, shapes, scan, tiers,
+                                    decided_by_name)
+    if layer is not None:  # a router and its bank under a shared axis: stacked MoE layers
+      seen.add(key)
+      _stack(groups, scan, prefix, members, layer, shapes, named=False)
       continue
     dense_by_name = all(decided_by_name[i] and tiers[i] not in (None, 'experts')
                         for i in members)
@@ -224,6 +227,9 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
           "say which: batch_axes=lambda p: sj.moe_batch_axes(p, rules=[('"
           f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
           f"param_labels=sj.make_labeler([('{where}', 'experts')])", members))
+  for module, members, layer in _kernels.sibling_stacks(segs, shapes, scan, tiers,
+                                                        decided_by_name):
+    _stack(groups, scan, module, members, layer, shapes, named=False)
   _sibling_banks(groups, segs, shapes, scan, tiers, decided_by_name)
   return Structure(scan, groups, ambiguous, confusions)
 
@@ -351,11 +357,6 @@ def numbered_units(segs: Sequence[tuple[str, ...]],
   return found
 
 
-def _vector(segs: tuple[str, ...]) -> bool:
-  """Whether a leaf is named like a vector (a scale or a bias), not a kernel."""
-  return any(s in segs[-1] for s in NOT_KERNEL)
-
-
 def _stack(groups: list[Group], scan: list[set[int]], prefix: tuple[str, ...],
            members: list[int], axis: int, shapes: Sequence[Optional[tuple[int, ...]]],
            named: bool) -> None:
@@ -371,8 +372,7 @@ def _router_candidates(area: tuple[str, ...], n: int, dims: set[int], outside: l
                        ) -> list[int]:
   """Of the leaves `outside` a bank that no name or rule gave another tier, the kernels
   under the module `area` that map an axis of the bank's leaves (`dims`) to `n` outputs."""
-  eligible = [i for i in outside if tiers[i] in (None, 'router')
-              and not (decided_by_name[i] and tiers[i] != 'router')]
+  eligible = [i for i in outside if _kernels.may_route(i, tiers, decided_by_name)]
   return _kernels_mapping(area, n, dims, eligible, segs, shapes, scan)
 
 
@@ -382,6 +382,6 @@ def _kernels_mapping(area: tuple[str, ...], n: int, dims: set[int], candidates: 
                      ) -> list[int]:
   """Of `candidates`, the kernels under the module `area` that map an axis length in
   `dims` to `n` outputs: [d, n] (or [n, d] for a PyTorch `weight`)."""
-  return [i for i in candidates if segs[i][:len(area)] == area and not _vector(segs[i])
-          and router_count(_paths.core_shape(shapes[i], scan[i]), segs[i][-1] == 'weight',
+  return [i for i in candidates if segs[i][:len(area)] == area and not _kernels.is_vector(segs[i])
+          and _kernels.router_count(_paths.core_shape(shapes[i], scan[i]), segs[i][-1] == 'weight',
                            dims) == n]

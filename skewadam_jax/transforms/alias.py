@@ -14,6 +14,7 @@ from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import pooling as _pooling
 from skewadam_jax.structure import hidden as _hidden
 from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.transforms import presets as _presets
 from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.transforms import tiers as _tiered
@@ -175,12 +176,15 @@ def skewadam(
     return jax.tree.map(lambda m, sub: jax.tree.map(lambda flag: bool(m) and flag, sub),
                         user, flags)
 
-  return _chain(
+  chain = _chain(
       'sj.skewadam',
       optax.GradientTransformation(init_fn, update_fn),
       _add_decayed_weights(weight_decay, decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
+  # The tiers and the decay mask label the same tree: one warning per call if unsure.
+  return chain._replace(init=_warning.reported_once(chain.init),
+                        update=_warning.reported_once(chain.update))
 
 
 def _keyword_only_after_eps(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import warnings
 from typing import Any, Iterator, Mapping, Optional
 
 from skewadam_jax.core import tree as _tree
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import axes as _axes
 from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import per_leaf as _per_leaf
 from skewadam_jax.transforms import tier as _tier
@@ -64,8 +64,7 @@ def record_tiers(params: Any, tiers: Mapping[str, _tier.Tier], param_labels: Any
     return
   leaves, treedef = _paths.flatten_with_paths(params)
   axes, _ = _axes.batch_axes_and_notes(params, labels, batch_axes)
-  with warnings.catch_warnings():  # the labeler warned once already, in `init`
-    warnings.simplefilter('ignore', _labels.UnsureLabelWarning)
+  with _warning.silenced():  # the labeler reported once already, in `init`
     _, notes = _labels.labels_and_notes(params, param_labels)
   for (path, p), label, ax, note in zip(leaves, treedef.flatten_up_to(labels), axes, notes):
     p = _tree.abstract_leaf(p)

@@ -1,0 +1,176 @@
+"""Unsure labels: what the labeler could not decide with confidence.
+
+The findings name the leaves whose tier is a guess (numbered units beside a router
+candidate, subtrees that read as a stack and as a bank alike, rank >= 3 leaves left in
+the default tier, vectors beside a router kernel in a flat module, an expert axis name
+that the shape confirms on a leaf of another tier, experts without a router or a router
+without experts), with the rules that settle each; `warning.report` turns them into one
+`UnsureLabelWarning` per call (or a `ValueError` when strict).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from skewadam_jax.structure import kernels as _kernels
+from skewadam_jax.structure import paths as _paths
+from skewadam_jax.structure import rules as _rules
+from skewadam_jax.structure import stacks as _stacks
+
+
+def _rule_hint(path: str, tier: str) -> str:
+  return f"sj.make_labeler([({path!r}, {tier!r})])"
+
+
+def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]:
+  """Numbered units of identical shapes beside a router candidate [d, n] that nothing
+  decided (`_stacks.numbered_units`), one line per router: an expert bank kept as
+  separate leaves and its router, or unrolled dense layers beside an unrelated kernel.
+  Shapes cannot tell these apart, so the leaves keep the default tier and are reported
+  (with the rules that settle it either way); sets each reported leaf's `note`."""
+
+  def free(leaf: _paths.Leaf) -> bool:
+    # Decided by no rule and no structure. A dense name (`mlp`, `ffn`) does not rule a bank
+    # out, as it does not for a stacked bank (MoE blocks are called `mlp` too); as in
+    # `block_structure`, well-formed axis names without an expert axis do.
+    return leaf.source in ('default', 'dense rule') and not (
+        use_axis_names and leaf.names_well_formed)
+
+  found = _stacks.numbered_units(
+      [x.segs for x in leaves], [x.shape if x.is_array else None for x in leaves],
+      [x.scan for x in leaves], [free(x) for x in leaves],
+      [free(x) or x.tier == 'router' for x in leaves])
+  by_routers: dict[tuple[int, ...], list[_stacks.Units]] = {}
+  for family in found:
+    by_routers.setdefault(tuple(family.routers), []).append(family)
+  lines = []
+  for routers, families in by_routers.items():
+    n = len(families[0].units)
+    members = [i for f in families for unit in f.units for i in unit]
+    patterns = [_unit_pattern(leaves, f) for f in families]
+    area = len(families[0].prefix) - (0 if families[0].stem else 1)
+    inside = set(members)
+    router_rules, along = [], []
+    for r in routers:
+      # As a router the structure finds: a kernel in a module of its own brings the
+      # module (its bias, its scale); a bare kernel beside the units a bias [n] only.
+      path, module = leaves[r].path, leaves[r].segs[:-1]
+      own = len(leaves[r].segs) == area + 2
+      router_rules.append(path.rsplit('/', 1)[0] if own else path)
+      along += [j for j, x in enumerate(leaves)
+                if x.segs[:-1] == module and free(x) and (own or x.core == (n,))
+                and j not in inside and j not in routers and j not in along]
+    tier = leaves[members[0]].tier
+    label = [(p, 'experts') for p in patterns] + [(p, 'router') for p in router_rules]
+    confirm = [(p, tier) for p in patterns]
+    shown = ', '.join(f'{leaves[r].path} {list(leaves[r].shape)}' for r in routers)
+    if along:
+      shown += f" (with {', '.join(leaves[j].path for j in along)})"
+    sets = f'{len(families)} sets of {n}' if len(families) > 1 else f'{n}'
+    for i in members:
+      leaves[i].note = (f'UNSURE: one of {n} numbered units beside router candidate '
+                        f'{leaves[routers[0]].path}: an expert or a dense layer (see the '
+                        'warning)')
+    for r in [*routers, *along]:
+      leaves[r].note = (f"UNSURE: a router candidate [d, {n}] (or its bias) beside {n} "
+                        f"numbered units {', '.join(patterns)} (see the warning)")
+    lines.append(
+        f"{', '.join(leaves[i].path for i in members)}: {sets} numbered units "
+        f"({', '.join(patterns)}) of identical structure and shapes beside {shown}, which "
+        f'maps a width of theirs to {n} outputs: an expert bank kept as separate leaves '
+        f'and its router, or {n} dense layers beside an unrelated matrix, which no name '
+        f'tells apart; left in {tier!r} by default; if it is a bank, label it: '
+        f'sj.make_labeler({label!r}), or confirm it: sj.make_labeler({confirm!r})')
+  return lines
+
+
+def _unit_pattern(leaves: list[_paths.Leaf], family: _stacks.Units) -> str:
+  """A rule pattern for the units of `family`, as written in the paths: `u/*` for a
+  list, `ffn/unit_*` for `<stem>_<i>` modules, `ffn/[0-9]*` for digit keys among
+  others."""
+  k = len(family.prefix)
+  written = leaves[family.units[0][0]].path.split('/')
+  module = written[:k]
+  if family.stem:
+    return '/'.join(module + [written[k].rsplit('_', 1)[0] + '_*'])
+  inside = {i for unit in family.units for i in unit}
+  alone = all(i in inside for i, x in enumerate(leaves) if x.segs[:k] == family.prefix)
+  return '/'.join(module + ['*' if alone and module else '[0-9]*'])
+
+
+def _router_inputs(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]:
+  """Vectors [d] that nothing decided in one flat module with a router kernel [d, E]
+  and its bank's leaves (`{r [d], s [d], q [d, E], w_in [E, d, f], ...}`, stacked or
+  not): a scale of the router's input (router) or of the block's, a norm (backbone).
+  No shape tells them apart; they stay in the default tier and are reported."""
+  lines = []
+  for router in leaves:
+    core = router.core
+    if router.tier != 'router' or len(core) != 2 or _kernels.is_vector(router.segs):
+      continue
+    module = router.segs[:-1]
+    if not any(x.tier == 'experts' and x.segs[:-1] == module for x in leaves):
+      continue  # the bank has a module of its own: the block's vectors are its norms
+    d = core[1] if router.segs[-1] == 'weight' else core[0]
+    for leaf in leaves:
+      if leaf.segs[:-1] != module or leaf.source != 'default' or leaf.core != (d,) or (
+          leaf.note or (use_axis_names and leaf.names_well_formed)):
+        continue
+      reason = (f'a vector [{d}] beside router kernel {router.path}, which reads that '
+                "width: a scale of the router's input or of the block's (a norm), which no "
+                f'name tells apart; left in {leaf.tier!r} by default')
+      leaf.note = f'UNSURE: {reason}'
+      lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it scales the '
+                   f"router's input, label it: {_rule_hint(leaf.path, 'router')}, or "
+                   f'confirm it: {_rule_hint(leaf.path, leaf.tier)}')
+  return lines
+
+
+def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
+            found: Optional[_stacks.Structure] = None) -> list[str]:
+  """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
+  lines = _unit_findings(leaves, use_axis_names) + _router_inputs(leaves, use_axis_names)
+  counts = _rules.router_counts(leaves)
+  for line, members in (found.confusions if found is not None else ()):
+    for i in members:
+      leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
+    lines.append(line)
+  for leaf in leaves:
+    where = f'{leaf.path} {list(leaf.shape)}'
+    core = leaf.core
+    if leaf.source == 'default' and len(core) >= 3 and core[0] > 1 and not (
+        use_axis_names and leaf.names_well_formed) and not leaf.note:
+      scanned = f' beside scanned axes {sorted(leaf.scan)}' if leaf.scan else ''
+      reason = (f'rank-{len(core)} leaf{scanned} left in {leaf.tier!r} by default (no '
+                'rule or structure says what it is)')
+      leaf.note = f'UNSURE: {reason}'
+      lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
+                   f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
+                   f'{_rule_hint(leaf.path, leaf.tier)}')
+    # An expert axis name where the shape agrees (a router maps to its length): a bank
+    # that a dense name (`ffn`) or the default left in another tier. Never on a leaf a
+    # rule names (`*embed*`, `*attn*`): sharding names are hints, not structure.
+    axis = _rules.confirmed_expert_axis(leaf, counts)
+    if axis is not None and leaf.tier not in ('experts', 'router') and leaf.source not in (
+        'rule', 'default rule'):
+      reason = f'axis {axis} is named {leaf.names[axis]!r} but the leaf is {leaf.tier!r}'
+      leaf.note = f'UNSURE: {reason}'
+      lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, 'experts')}, or "
+                   'pass param_labels=sj.moe_param_labels(params, use_axis_names=True)')
+  routers = [x for x in leaves if x.tier == 'router']
+  experts = [x for x in leaves if x.tier == 'experts']
+  for mine, others, what, missing, hint in (
+      (experts, routers, 'experts', 'router', '<router module>'),
+      (routers, experts, 'router', 'experts', '<expert bank>')):
+    guessed = [x for x in mine if x.source != 'rule']
+    if not guessed or others:
+      continue
+    reason = f'labelled {what!r} but no leaf of the tree is labelled {missing!r}'
+    for leaf in guessed:
+      leaf.note = f'UNSURE: {reason}'
+    shown = ', '.join(x.path for x in guessed[:5])
+    more = f' and {len(guessed) - 5} more' if len(guessed) > 5 else ''
+    lines.append(f'{shown}{more}: {reason}; label the {missing} with a rule, e.g. '
+                 f'{_rule_hint(hint, missing)}, or these leaves, e.g. '
+                 f"{_rule_hint(guessed[0].path, 'backbone')}")
+  return lines

@@ -85,8 +85,9 @@ def test_label_table_finds_the_skewadam_inside_optax_wrappers(wrap):
 def test_label_table_of_an_optimizer_without_skewadam_names_tx():
   with pytest.raises(ValueError, match=r'`tx` contains no sj.skewadam.*sj.memory_report'):
     sj.label_table(optax.adamw(1e-3), PARAMS)
-  with pytest.raises(TypeError, match=r'wrong order, call `sj.label_table\(tx, params\)`'):
-    sj.label_table(PARAMS, sj.skewadam(1e-3))
+  with pytest.deprecated_call(match=r'call sj.label_table\(tx, params\)'):
+    swapped = sj.label_table(PARAMS, sj.skewadam(1e-3))  # the old order, swapped back
+  assert swapped.format() == sj.label_table(sj.skewadam(1e-3), PARAMS).format()
   with pytest.raises(TypeError, match=r'pass `tiers`, `param_labels` and `batch_axes` to'):
     sj.label_table(sj.skewadam(1e-3), PARAMS, sj.MUON_TIERS)
 

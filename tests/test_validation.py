@@ -365,23 +365,38 @@ def test_label_table_checks_each_tier():
     sj.label_table(PARAMS, tiers={**sj.PUBLISHED_TIERS, 'router': 'exact'})
 
 
-@pytest.mark.parametrize('call,right', [
-    (lambda tx: sj.optimizer_state_bytes(PARAMS, tx), 'sj.optimizer_state_bytes(tx, params)'),
-    (lambda tx: sj.label_table(PARAMS, tx), 'sj.label_table(tx, params)'),
-    (lambda tx: sj.memory_report(PARAMS, tx), 'sj.memory_report(tx, params)'),
+def _mesh():
+  return jax.make_mesh((1,), ('data',))
+
+
+@pytest.mark.parametrize('swapped,right', [
+    (lambda tx: sj.optimizer_state_bytes(PARAMS, tx), lambda tx: sj.optimizer_state_bytes(
+        tx, PARAMS)),
+    (lambda tx: sj.label_table(PARAMS, tx), lambda tx: sj.label_table(tx, PARAMS)),
+    (lambda tx: sj.memory_report(PARAMS, tx), lambda tx: sj.memory_report(tx, PARAMS)),
     (lambda tx: sj.state_shardings(PARAMS, tx, None),
-     'sj.state_shardings(tx, params, param_shardings)'),
-    (lambda tx: sj.sharded_abstract_state(PARAMS, tx, None),
-     'sj.sharded_abstract_state(tx, params, param_shardings)'),
-])
-def test_swapped_optimizer_and_params_say_the_right_order(call, right):
-  # Every report refuses the swapped order alike: one TypeError, no warning first and
-  # no report of the swapped arguments.
-  with pytest.raises(TypeError, match=r'`tx` must be an optax.GradientTransformation .*got '
-                                      r'dict where `tx` goes .*wrong order, call '
-                                      + re.escape(f'`{right}`')), warnings.catch_warnings():
-    warnings.simplefilter('error')
-    call(sj.skewadam(1e-3))
+     lambda tx: sj.state_shardings(tx, PARAMS, None)),
+    (lambda tx: sj.sharded_abstract_state(PARAMS, tx, None, mesh=_mesh()),
+     lambda tx: sj.sharded_abstract_state(tx, PARAMS, None, mesh=_mesh())),
+], ids=['optimizer_state_bytes', 'label_table', 'memory_report', 'state_shardings',
+        'sharded_abstract_state'])
+def test_every_report_swaps_the_old_order_back_with_one_deprecation(swapped, right):
+  # One behaviour for every report: the old order (params first) works as promised, with
+  # one DeprecationWarning that names the right call and points at this line.
+  tx = sj.skewadam(1e-3)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    got = swapped(tx)
+  deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+  assert len(deprecations) == 1, [str(w.message) for w in caught]
+  assert re.search(r'is deprecated: call `?sj\.\w+\(tx, params', str(deprecations[0].message))
+  assert deprecations[0].filename == __file__
+  want = right(tx)
+  if hasattr(want, 'format'):
+    assert got.format() == want.format()
+  else:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ pass through unchanged so that they can still be traced.
 from __future__ import annotations
 
 import difflib
+import inspect
 import numbers
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import jax
@@ -172,26 +174,48 @@ def _short_repr(value: Any, limit: int = 80) -> str:
   return text if len(text) <= limit else text[:limit - 3] + '...'
 
 
-def check_transform(tx: Any, other: Any = None, call: str = '') -> None:
-  """Raises unless `tx` looks like an optax GradientTransformation (init and update).
+def _stacklevel_outside_library() -> int:
+  """The `stacklevel` of the first frame outside skewadam_jax, seen from the caller of
+  `warnings.warn` (so a warning points at the user's line, whatever wraps the report)."""
+  frame, level = inspect.currentframe(), 0
+  while frame is not None and frame.f_globals.get('__name__', '').split('.')[0] == (
+      'skewadam_jax'):
+    frame, level = frame.f_back, level + 1
+  return max(level - 1, 1)
+
+
+def transform_first(tx: Any, params: Any, call: str) -> tuple[Any, Any]:
+  """`(tx, params)`, raising unless `tx` looks like an optax GradientTransformation.
+
+  The reports took the params first before they took the optimizer first, as optax
+  does; that order still works, swapped back with a DeprecationWarning at the user's
+  line, in every report alike (the deprecation promised it).
 
   Args:
     tx: the argument that must be the optimizer.
-    other: the call's params argument; if it is the optimizer, the arguments were
-      given in the wrong order and the message shows `call`, the right one.
+    params: the call's params argument; if it is the optimizer (and `tx` is not), the
+      arguments were given in the old order.
     call: the call with its argument names in order, e.g. 'sj.memory_report(tx, params)'.
+
+  Returns:
+    The optimizer and the params, in that order.
   """
+  if not is_transform(tx) and is_transform(params):
+    old = call.replace('(tx, params', '(params, tx', 1)
+    warnings.warn(f'{old} is deprecated: call {call} (every report takes the optimizer '
+                  'first, as optax does).', DeprecationWarning,
+                  stacklevel=_stacklevel_outside_library() + 1)
+    return params, tx
+  check_transform(tx)
+  return tx, params
+
+
+def check_transform(tx: Any) -> None:
+  """Raises unless `tx` looks like an optax GradientTransformation (init and update)."""
   if is_transform(tx):
     return
-  message = ('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
-             f'or optax.adamw(1e-3)), got {type(tx).__name__}')
-  if call and is_transform(other):
-    raise TypeError(
-        f'{message} where `tx` goes and an optimizer where `params` goes: the arguments '
-        f'are in the wrong order, call `{call}`. Every report takes the optimizer first '
-        '(`sj.label_table`, `sj.memory_report`, `sj.optimizer_state_bytes`, '
-        '`sj.state_shardings`, `sj.sharded_abstract_state`).')
-  raise TypeError(f'{message} {_short_repr(tx)}.')
+  raise TypeError('`tx` must be an optax.GradientTransformation (e.g. sj.skewadam(3e-4) '
+                  f'or optax.adamw(1e-3)), got {type(tx).__name__} {_short_repr(tx)}.')
 
 
 def check_update_order(updates: Any, state: Any, params: Any,

@@ -99,7 +99,7 @@ def optimizer_state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
 
   Every array leaf counts, whatever its dtype (`state_bytes`).
   """
-  _checks.check_transform(tx, params, 'sj.optimizer_state_bytes(tx, params)')
+  tx, params = _checks.transform_first(tx, params, 'sj.optimizer_state_bytes(tx, params)')
   return state_bytes(abstract_state(tx, params))
 
 
@@ -164,8 +164,8 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
     A `MemoryReport`; `.format()` renders it as a markdown table.
 
   Raises:
-    TypeError: if `tx` is not an optimizer; one given as `params` (the arguments
-      swapped) gets the right order in the message, as every report does.
+    TypeError: if `tx` is not an optimizer. The old order, `(params, tx)`, still works
+      with a DeprecationWarning, as in every report.
 
   Example:
     >>> import jax, jax.numpy as jnp, skewadam_jax as sj
@@ -173,7 +173,7 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
     >>> sj.memory_report(sj.skewadam(3e-4), params).total_state_bytes  # mu, rows, cols
     2336
   """
-  _checks.check_transform(tx, params, 'sj.memory_report(tx, params)')
+  tx, params = _checks.transform_first(tx, params, 'sj.memory_report(tx, params)')
   trace = _trace.trace_init(tx, params)
   labels = jax.tree_util.tree_structure(params).flatten_up_to(
       _labels.resolve_labels(params, param_labels))
@@ -293,7 +293,7 @@ def label_table(tx: Any, params: Any = None, *old_args: Any,
                       'from `tx`: pass `tiers`, `param_labels` and `batch_axes` to '
                       '`sj.skewadam`.')
   elif _checks.is_transform(params):
-    _checks.check_transform(tx, params, 'sj.label_table(tx, params)')
+    tx, params = _checks.transform_first(tx, params, 'sj.label_table(tx, params)')
   else:
     _deprecated('sj.label_table(params, tiers=..., param_labels=..., batch_axes=...)',
                 'sj.label_table(sj.skewadam(lr, tiers=..., param_labels=..., '

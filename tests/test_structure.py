@@ -468,3 +468,119 @@ def test_bad_arguments_raise():
     sj.trace_structure('forward', {'w': jnp.zeros(2)})
   with pytest.raises(TypeError, match='`params`'):
     sj.trace_structure(lambda p: p, {'w': 'not an array'})
+
+
+# ---------------------------------------------------------------------------- issue 31
+
+
+def _dense_experts(p, x, combine):
+  """Every expert on every token ([E, T, D]), combined by weights [T, E]."""
+  hid = jax.nn.relu(jnp.einsum('td,edf->etf', x, p['w1']))
+  return jnp.einsum('etd,te->td', jnp.einsum('etf,efd->etd', hid, p['w2']), combine)
+
+
+def _bank_params():
+  return {'r': jnp.zeros((D, E)), 'w1': jnp.zeros((E, D, F)), 'w2': jnp.zeros((E, F, D))}
+
+
+@pytest.mark.parametrize('grouped', [True, False])
+def test_grouped_routing_and_a_reshape_round_trip_keep_the_decision(grouped):
+  groups = 2
+
+  def fn(p, x):
+    scores = jax.nn.sigmoid(x @ p['r'])  # [T, E]
+    biased = (scores + p['bias']).reshape(T, groups, E // groups)  # [T, G, E/G]
+    if grouped:  # each group scored by the sum of its top 2; the best group kept
+      best = jax.lax.top_k(jax.lax.top_k(biased, 2)[0].sum(-1), 1)[1]  # [T, 1]
+      keep = jax.nn.one_hot(best[:, 0], groups)[..., None] > 0  # [T, G, 1]
+      biased = jnp.where(keep, biased, -jnp.inf)
+    _, ids = jax.lax.top_k(biased.reshape(T, E), 2)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    return _dense_experts(p, x, jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights))
+
+  p = {**_bank_params(), 'bias': jnp.zeros((E,))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'r': 'router', 'bias': 'router', 'w1': 'experts',
+                           'w2': 'experts'}, result.format()
+  assert result.batch_axes == {'r': (), 'bias': (), 'w1': (0,), 'w2': (0,)}
+  assert len(result.decisions) == 1 and result.decisions[0].num_experts == E
+  assert result.undecided == {}
+
+
+def test_combine_weights_built_by_a_scatter():
+  def fn(p, x):
+    weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
+    combine = jnp.zeros((T, E)).at[jnp.arange(T)[:, None], ids].set(weights)
+    return _dense_experts(p, x, combine)
+
+  result = sj.trace_structure(fn, _bank_params(), X)
+  assert result.labels == {'r': 'router', 'w1': 'experts', 'w2': 'experts'}, result.format()
+  assert result.batch_axes == {'r': (), 'w1': (0,), 'w2': (0,)}
+  assert result.undecided == {}
+
+
+@pytest.mark.parametrize('key', ['legacy', 'legacy_arg', 'typed_unwrapped', 'typed_arg'])
+def test_random_keys_legacy_and_typed(key):
+  def fn(p, x, k=None):
+    if key == 'legacy':
+      k = jax.random.PRNGKey(0)
+    elif key == 'typed_unwrapped':  # a batch of typed keys, unwrapped and wrapped again
+      k = jax.random.wrap_key_data(jax.random.key_data(jax.random.split(jax.random.key(0),
+                                                                        3))[1])
+    jitter, drop = jax.random.split(k)
+    logits = x @ p['r'] * jax.random.uniform(jitter, (T, E), minval=0.9, maxval=1.1)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits), 2)
+    combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
+    x = jnp.where(jax.random.bernoulli(drop, 0.9, x.shape), x, 0.0)
+    return _dense_experts(p, x, combine)
+
+  args = {'legacy_arg': (jax.random.PRNGKey(1),), 'typed_arg': (jax.random.key(1),)}
+  result = sj.trace_structure(fn, _bank_params(), X, *args.get(key, ()))
+  assert result.labels == {'r': 'router', 'w1': 'experts', 'w2': 'experts'}, result.format()
+  assert result.undecided == {}
+
+
+def test_stacked_per_expert_outputs_of_banks_sliced_in_a_loop():
+  def fn(p, x):
+    weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
+    combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
+    hid = jnp.stack([jax.nn.relu(x @ p['w1'][e]) for e in range(E)])  # [E, T, F]
+    out = jnp.stack([hid[e] @ p['w2'][e] for e in range(E)], axis=1)  # [T, E, D]
+    return jnp.einsum('ted,te->td', out, combine)
+
+  result = sj.trace_structure(fn, _bank_params(), X)
+  assert result.labels == {'r': 'router', 'w1': 'experts', 'w2': 'experts'}, result.format()
+  assert result.batch_axes == {'r': (), 'w1': (0,), 'w2': (0,)}
+  assert result.undecided == {}
+
+
+def test_stack_of_parameter_paths_is_decided():
+  def fn(p, x):
+    return jnp.stack([x @ p['a'], x @ p['b']]).sum(0) @ p['c']
+
+  p = {'a': jnp.zeros((D, F)), 'b': jnp.zeros((D, F)), 'c': jnp.zeros((F, D))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'backbone', 'b': 'backbone', 'c': 'backbone'}
+  assert result.undecided == {}
+
+
+def test_a_primitive_without_a_rule_is_undecided_and_named_at_the_callers_line():
+  def fn(p, x):
+    return jnp.cumsum(x @ p['w'], axis=0).sum() + jnp.abs(jnp.fft.fft(x @ p['v'])).sum()
+
+  p = {'w': jnp.zeros((D, D)), 'v': jnp.zeros((D, D))}
+  with pytest.warns(UserWarning, match=r'fft.*test_structure\.py') as record:
+    result = sj.trace_structure(fn, p, X)
+  assert 'fft' in result.undecided['v'] and 'w' not in result.undecided
+  assert len([w for w in record if 'fft' in str(w.message)]) == 1
+
+
+def test_a_selection_of_parameter_values_that_decides_nothing_is_loud():
+  def fn(p, x):
+    h = x @ p['w']  # [T, D]: top_k over the tokens of a single feature
+    return jax.lax.top_k(h[:, 0], 3)[0].sum()
+
+  p = {'w': jnp.zeros((D, D))}
+  with pytest.warns(UserWarning, match=r'top_k.*test_structure\.py'):
+    result = sj.trace_structure(fn, p, X)
+  assert 'top_k' in result.undecided['w']

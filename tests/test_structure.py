@@ -483,20 +483,29 @@ def _bank_params():
   return {'r': jnp.zeros((D, E)), 'w1': jnp.zeros((E, D, F)), 'w2': jnp.zeros((E, F, D))}
 
 
-@pytest.mark.parametrize('grouped', [True, False])
+@pytest.mark.parametrize('grouped', ['one_hot', 'scatter', 'round_trip'])
 def test_grouped_routing_and_a_reshape_round_trip_keep_the_decision(grouped):
   groups = 2
 
   def fn(p, x):
     scores = jax.nn.sigmoid(x @ p['r'])  # [T, E]
     biased = (scores + p['bias']).reshape(T, groups, E // groups)  # [T, G, E/G]
-    if grouped:  # each group scored by the sum of its top 2; the best group kept
+    if grouped != 'round_trip':  # each group scored by the sum of its top 2; best kept
       best = jax.lax.top_k(jax.lax.top_k(biased, 2)[0].sum(-1), 1)[1]  # [T, 1]
-      keep = jax.nn.one_hot(best[:, 0], groups)[..., None] > 0  # [T, G, 1]
-      biased = jnp.where(keep, biased, -jnp.inf)
+      if grouped == 'one_hot':
+        keep = jax.nn.one_hot(best[:, 0], groups)[..., None] > 0  # [T, G, 1]
+        biased = jnp.where(keep, biased, -jnp.inf)
+      else:  # a group mask placed by a scatter, broadcast over the group and merged
+        keep = jnp.zeros((T, groups)).at[jnp.arange(T)[:, None], best].set(1.0)
+        keep = jnp.broadcast_to(keep[..., None], biased.shape).reshape(T, E)
+        biased = jnp.where(keep.reshape(biased.shape) > 0, biased, 0.0)
     _, ids = jax.lax.top_k(biased.reshape(T, E), 2)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
-    return _dense_experts(p, x, jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights))
+    if grouped == 'scatter':
+      combine = jnp.zeros((T, E)).at[jnp.arange(T)[:, None], ids].add(weights)
+    else:
+      combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
+    return _dense_experts(p, x, combine)
 
   p = {**_bank_params(), 'bias': jnp.zeros((E,))}
   result = sj.trace_structure(fn, p, X)
@@ -519,7 +528,8 @@ def test_combine_weights_built_by_a_scatter():
   assert result.undecided == {}
 
 
-@pytest.mark.parametrize('key', ['legacy', 'legacy_arg', 'typed_unwrapped', 'typed_arg'])
+@pytest.mark.parametrize('key', ['legacy', 'legacy_arg', 'typed_unwrapped', 'typed_arg',
+                                 'typed_arg_unwrapped'])
 def test_random_keys_legacy_and_typed(key):
   def fn(p, x, k=None):
     if key == 'legacy':
@@ -527,6 +537,9 @@ def test_random_keys_legacy_and_typed(key):
     elif key == 'typed_unwrapped':  # a batch of typed keys, unwrapped and wrapped again
       k = jax.random.wrap_key_data(jax.random.key_data(jax.random.split(jax.random.key(0),
                                                                         3))[1])
+    elif key == 'typed_arg_unwrapped':
+      k = jax.random.fold_in(jax.random.wrap_key_data(
+          jax.random.key_data(jax.random.split(k, 4))[2]), 7)
     jitter, drop = jax.random.split(k)
     logits = x @ p['r'] * jax.random.uniform(jitter, (T, E), minval=0.9, maxval=1.1)
     weights, ids = jax.lax.top_k(jax.nn.softmax(logits), 2)
@@ -534,18 +547,24 @@ def test_random_keys_legacy_and_typed(key):
     x = jnp.where(jax.random.bernoulli(drop, 0.9, x.shape), x, 0.0)
     return _dense_experts(p, x, combine)
 
-  args = {'legacy_arg': (jax.random.PRNGKey(1),), 'typed_arg': (jax.random.key(1),)}
+  args = {'legacy_arg': (jax.random.PRNGKey(1),), 'typed_arg': (jax.random.key(1),),
+          'typed_arg_unwrapped': (jax.random.key(1),)}
   result = sj.trace_structure(fn, _bank_params(), X, *args.get(key, ()))
   assert result.labels == {'r': 'router', 'w1': 'experts', 'w2': 'experts'}, result.format()
   assert result.undecided == {}
 
 
-def test_stacked_per_expert_outputs_of_banks_sliced_in_a_loop():
+@pytest.mark.parametrize('how', ['stack', 'concatenate'])
+def test_stacked_per_expert_outputs_of_banks_sliced_in_a_loop(how):
   def fn(p, x):
     weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
     combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
     hid = jnp.stack([jax.nn.relu(x @ p['w1'][e]) for e in range(E)])  # [E, T, F]
-    out = jnp.stack([hid[e] @ p['w2'][e] for e in range(E)], axis=1)  # [T, E, D]
+    outs = [hid[e] @ p['w2'][e] for e in range(E)]
+    if how == 'stack':
+      out = jnp.stack(outs, axis=1)  # [T, E, D]
+    else:
+      out = jnp.concatenate([o[:, None] for o in outs], axis=1)
     return jnp.einsum('ted,te->td', out, combine)
 
   result = sj.trace_structure(fn, _bank_params(), X)
@@ -569,7 +588,7 @@ def test_a_primitive_without_a_rule_is_undecided_and_named_at_the_callers_line()
     return jnp.cumsum(x @ p['w'], axis=0).sum() + jnp.abs(jnp.fft.fft(x @ p['v'])).sum()
 
   p = {'w': jnp.zeros((D, D)), 'v': jnp.zeros((D, D))}
-  with pytest.warns(UserWarning, match=r'fft.*test_structure\.py') as record:
+  with pytest.warns(sj.UnsureLabelWarning, match=r'fft.*test_structure\.py') as record:
     result = sj.trace_structure(fn, p, X)
   assert 'fft' in result.undecided['v'] and 'w' not in result.undecided
   assert len([w for w in record if 'fft' in str(w.message)]) == 1
@@ -581,6 +600,19 @@ def test_a_selection_of_parameter_values_that_decides_nothing_is_loud():
     return jax.lax.top_k(h[:, 0], 3)[0].sum()
 
   p = {'w': jnp.zeros((D, D))}
-  with pytest.warns(UserWarning, match=r'top_k.*test_structure\.py'):
+  with pytest.warns(sj.UnsureLabelWarning, match=r'top_k.*test_structure\.py'):
     result = sj.trace_structure(fn, p, X)
   assert 'top_k' in result.undecided['w']
+
+
+def test_combine_weights_at_flat_positions_are_undecided_not_silently_backbone():
+  def fn(p, x):  # positions t * E + id of a flat [T * E] buffer: the expert axis is lost
+    weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
+    flat = (jnp.arange(T)[:, None] * E + ids).reshape(-1)
+    combine = jnp.zeros((T * E,)).at[flat].add(weights.reshape(-1)).reshape(T, E)
+    return _dense_experts(p, x, combine)
+
+  with pytest.warns(sj.UnsureLabelWarning, match='undecided'):
+    result = sj.trace_structure(fn, _bank_params(), X)
+  assert set(result.undecided) == {'r', 'w1', 'w2'}
+  assert 'lost' in result.undecided['w1']

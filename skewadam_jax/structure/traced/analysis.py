@@ -74,6 +74,9 @@ class Analysis:
     self.out_open: frozenset = _info.EMPTY  # ... other than through expert-id masks
     self.masked: _masks.Masked = {}  # leaf -> dec -> mask ids
     self.unclear: dict[int, str] = {}  # leaf -> meets tokens of an unclear decision
+    # (leaf, axis) -> decisions over as many experts as the axis is long whose routed
+    # values it meets (a contraction or elementwise alignment), bank or not
+    self.near: dict[tuple[int, int], set[int]] = {}
     self.callers: list[Any] = []  # the equations whose bodies are being run, outermost first
 
   # -- decisions
@@ -155,6 +158,15 @@ class Analysis:
         if self.decision(d).unclear:
           self.unclear.setdefault(leaf, f'meets the tokens {self.decision(d).primitive} '
                                   f'dispatches, whose {self.decision(d).unclear}')
+
+  def near_routed(self, mine: frozenset, other: Info) -> None:
+    """Parameter axes in `mine` meet an axis of values routed by decisions over as many
+    experts as they are long: recorded, so that a bank whose expert axis the analysis
+    lost (the decision then dispatches nothing it can see) is reported, not silent."""
+    for leaf, axis in _info.params_of(mine):
+      for d in other.routed:
+        if self.decision(d).num_experts == self.shapes[leaf][axis]:
+          self.near.setdefault((leaf, axis), set()).add(d)
 
   def taken_apart(self, tokens: frozenset) -> None:
     """A width-1 piece of these axes is dropped: record which one."""

@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 import numpy as np
 
 from skewadam_jax.core import tree as _tree
+from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import decide as _decide
@@ -25,8 +26,11 @@ from skewadam_jax.structure.traced import results as _results
 from skewadam_jax.structure.traced import rules as _rules
 
 
-class TraceWarning(UserWarning):
-  """`trace_structure` could not see part of the program: some leaves are undecided."""
+class TraceWarning(_labels.UnsureLabelWarning):
+  """`trace_structure` could not see part of the program: some leaves are undecided.
+
+  An `sj.UnsureLabelWarning`: filtering (or raising) that class covers it too.
+  """
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -140,13 +144,22 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
   structure = _decide.decide(analysis, paths, shapes,
                              [v in read for v in jaxpr.invars[:len(pidx)]], treedef, pidx,
                              len(leaves))
-  _warn(analysis, paths)
+  _warn(analysis, paths, structure.undecided)
   return structure
 
 
-def _warn(analysis: _analysis.Analysis, paths: list[str]) -> None:
+def _warn(analysis: _analysis.Analysis, paths: list[str], undecided: dict[str, str]) -> None:
   """One warning per primitive with no rule, and per selection deciding nothing, that
-  parameters reach: each names the primitive, the user's line and the leaves."""
+  parameters reach: each names the primitive, the user's line and the leaves; and one
+  for the other undecided leaves, with their reasons."""
+  seen = {paths[k] for leaves in (*analysis.unknown.values(), *analysis.blind.values())
+          for k in leaves}
+  rest = {path: why for path, why in undecided.items() if path not in seen}
+  if rest:
+    shown = '; '.join(f'{path}: {why}' for path, why in list(rest.items())[:8])
+    more = f'; and {len(rest) - 8} more' if len(rest) > 8 else ''
+    warnings.warn(f'sj.trace_structure: {len(rest)} leaves are undecided (labelled '
+                  f'backbone, see `.undecided`): {shown}{more}', TraceWarning, stacklevel=3)
   for (prim, line), leaves in analysis.unknown.items():
     if leaves:
       warnings.warn(

@@ -49,6 +49,9 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
   rows, undecided = [], {}
   blind = {leaf: f'{prim} (at {line})' for (prim, line), leaves in analysis.blind.items()
            for leaf in leaves}
+  # A leaf axis meeting values routed by a decision that dispatches nothing visible.
+  lost = {leaf: (axis, analysis.decision(min(decs - set(confirmed))))
+          for (leaf, axis), decs in sorted(analysis.near.items()) if decs - set(confirmed)}
   for k, (path, shape) in enumerate(zip(paths, shapes)):
     layers = tuple(sorted(a for (leaf, a) in analysis.scans if leaf == k))
     found = {a: why for (leaf, a), why in analysis.banks.items() if leaf == k}
@@ -120,6 +123,11 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
                            f'expert ids (ids {ids}): which unit it is cannot be told')
       elif k in analysis.unclear:
         undecided[path] = analysis.unclear[k]
+      elif k in lost:
+        a, d = lost[k]
+        undecided[path] = (f'axis {a} (E={shape[a]}) meets values routed by {d.primitive} '
+                           f'over E={d.num_experts} experts, which dispatches no parameter '
+                           'the analysis can see: a bank whose expert axis it lost?')
     if pieces:
       notes.append(f'axis {_info.axis_list(pieces)} taken apart into single pieces (separate '
                    'matrices)')

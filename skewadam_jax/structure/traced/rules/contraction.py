@@ -28,6 +28,9 @@ def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
     why = 'contracted with expert-indexed weights'
     an.meet(lhs.axes[a], rhs.axes[b], False, why)
     an.meet(rhs.axes[b], lhs.axes[a], False, why)
+  for a, b in (*zip(lb, rb), *zip(lc, rc)):
+    an.near_routed(lhs.axes[a], rhs)
+    an.near_routed(rhs.axes[b], lhs)
   axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
   axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
   axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb]

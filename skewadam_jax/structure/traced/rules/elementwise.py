@@ -51,14 +51,15 @@ def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   shapes = [_info.shape_of(v) for v in eqn.invars]
   axes = []
   for ax, n in enumerate(shape):
-    here = [x.axes[ax] for x, s in zip(ins, shapes) if len(s) == len(shape) and s[ax] == n
-            and len(x.axes) == len(shape)]
-    axes.append(frozenset().union(*here))
+    here = [(x, x.axes[ax]) for x, s in zip(ins, shapes) if len(s) == len(shape)
+            and s[ax] == n and len(x.axes) == len(shape)]
+    axes.append(frozenset().union(*(t for _, t in here)))
     if len(here) > 1 and n > 1:
-      for i, mine in enumerate(here):
-        for j, other in enumerate(here):
+      for i, (_, mine) in enumerate(here):
+        for j, (x, other) in enumerate(here):
           if i != j:
             an.meet(mine, other, False, f'{prim} with an expert-indexed axis')
+            an.near_routed(mine, x)
   data, routed = _info.common(ins)
   eid = iota = None
   columns: tuple = ()

@@ -12,13 +12,16 @@ on data) and follows every parameter through it:
   token positions). The parameters whose axes reach the expert axis (the kernel whose
   contraction produces it, any bias or scale added to the logits) are the **router**,
   and its length is the expert count `E`; so is a parameter that the logits depend on
-  and that reaches the outputs only through them (a scale of the router's input);
+  and that reaches the outputs only through them (a scale of the router's input). A
+  selection within the groups of a split expert axis (group-limited routing: `[T, E] ->
+  [T, G, E/G]`, top groups kept, reshaped back) is no decision of its own;
 * an **expert bank** is a parameter whose axis of length `E` meets an expert-indexed
   axis: a `dot_general` batch dimension shared with tokens dispatched by the decision
   (gathered, scattered or sorted by routing indices; tokens an expert choice gathers
   keep its expert axis), a batch or contracting dimension (or an elementwise
   alignment) shared with an axis that indexes experts (the router's logits, a one-hot
-  of the expert ids), the group axis of a `ragged_dot`, an axis
+  of the expert ids, the axis a scatter writes at expert ids: `zeros([T, E]).at[
+  arange(T)[:, None], ids].set(w)`), the group axis of a `ragged_dot`, an axis
   gathered (or dynamically sliced) by expert ids (a decision's indices, or an E-long
   iota read at positions computed from them: `jnp.repeat(arange(E), sizes)`), or an
   E-long axis of an operand of a call the analysis cannot enter (a Pallas grouped
@@ -35,7 +38,10 @@ on data) and follows every parameter through it:
 * **stacked matrices**: a parameter axis whose every element is taken out as a single
   piece and dropped (`unstack`, width-1 `split`s or slices then `squeeze`, a
   `dynamic_slice` at a loop counter) is a batch axis; an axis merged by a reshape is
-  remembered and given back when a later reshape splits the same sizes apart;
+  remembered and given back when a later reshape splits the same sizes apart, and the
+  parts of a split axis when merged again in order; values computed from piece `i` of
+  an axis, stacked (or concatenated) at position `i`, carry that axis again
+  (`stack([x @ w[e] for e in range(E)])`);
 * everything else (dense paths, shared experts, a decision that dispatches nothing)
   is backbone, with no batch axes: its other axes form one matrix.
 
@@ -48,15 +54,18 @@ its values are expert ids or are zero unless the ids equal a constant (a mask), 
 which leaves its values depend on (all of them, those not only through a router's
 logits, those not only through a mask). Calls are entered (`jit`, `remat`,
 `custom_jvp`/`custom_vjp`, `shard_map`), `scan`/`while` carries are iterated to a fixed
-point and `cond` branches are joined. The analysis runs up to three times: the first
+point and `cond` branches are joined; random keys (typed or legacy) carry no parameter
+information. The analysis runs up to three times: the first
 pass finds the decisions and their routers, the second marks the logits' axes as
 expert-indexed, the third (when a decision dispatches a bank) stops the value
 dependences at the logits. A parameter that reaches a primitive with no rule is
 reported as undecided, with a warning naming the primitive and the user's line; so is one
 feeding a selection among parameter values that makes no decision, one the function
 never reads, one producing or meeting the tokens of a decision whose expert axis cannot
-be told (several operand axes come from parameters, none from the inputs), and one
-masked by several ids with no unit axis.
+be told (several operand axes come from parameters, none from the inputs), one whose
+E-long axis meets values routed by a decision that dispatches nothing the analysis can
+see (its expert axis lost), and one masked by several ids with no unit axis. Undecided
+leaves come with a `TraceWarning` (an `sj.UnsureLabelWarning`).
 
 The package: `info` (what the analysis knows about one variable), `analysis` (the
 interpreter over a jaxpr and what it records), `rules` (the rule table, one rule per

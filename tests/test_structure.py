@@ -616,3 +616,44 @@ def test_combine_weights_at_flat_positions_are_undecided_not_silently_backbone()
     result = sj.trace_structure(fn, _bank_params(), X)
   assert set(result.undecided) == {'r', 'w1', 'w2'}
   assert 'lost' in result.undecided['w1']
+
+
+def _small_lm(p, tokens):
+  """A language model whose names say nothing: table, attention, MoE, MLP, head."""
+  n = tokens.shape[0]
+  h = p['tab'][tokens] + p['pos'][jnp.arange(n)]
+  h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + 1e-6) * p['g']
+  q = jnp.einsum('td,dhk->thk', h, p['a']) + p['qb']  # a 2-D bias [heads, head_dim]
+  k = jnp.einsum('td,dhk->thk', h, p['b'])
+  rel = p['rel'][jnp.abs(jnp.arange(n)[:, None] - jnp.arange(n)[None, :])]  # [T, T, H]
+  att = jax.nn.softmax(jnp.einsum('thk,shk->hts', q, k) + rel.transpose(2, 0, 1), -1)
+  h = h + jnp.einsum('hts,shk,hkd->td', att, k, p['c'])
+  w, ids = jax.lax.top_k(jax.nn.softmax(h @ p['r']), 2)
+  h = h + _dense_experts(p, h, jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), w))
+  h = h + jax.nn.gelu(h @ p['u']) @ p['v']
+  logits = h @ p['o']
+  return -jax.nn.log_softmax(logits)[jnp.arange(n), tokens].mean()
+
+
+def test_roles_from_the_computation_and_the_hidden_tier_they_give():
+  vocab, heads = 50, 2
+  p = {**_bank_params(), 'tab': jnp.zeros((vocab, D)), 'pos': jnp.zeros((T, D)),
+       'g': jnp.zeros((D,)), 'a': jnp.zeros((D, heads, 4)), 'b': jnp.zeros((D, heads, 4)),
+       'qb': jnp.zeros((heads, 4)), 'rel': jnp.zeros((T, heads)), 'c': jnp.zeros((heads, 4, D)),
+       'u': jnp.zeros((D, F)), 'v': jnp.zeros((F, D)), 'o': jnp.zeros((D, vocab))}
+  result = sj.trace_structure(_small_lm, p, jax.ShapeDtypeStruct((T,), jnp.int32))
+  assert result.roles == {
+      'tab': 'embedding', 'pos': 'embedding', 'rel': 'embedding', 'g': 'bias/gain',
+      'qb': 'bias/gain', 'a': 'hidden matrix', 'b': 'hidden matrix', 'c': 'hidden matrix',
+      'u': 'hidden matrix', 'v': 'hidden matrix', 'o': 'output layer', 'r': 'router',
+      'w1': 'expert bank', 'w2': 'expert bank'}, result.format()
+  assert 'test_structure.py' in result.by_path['tab'].role_evidence
+  hidden = {'a', 'b', 'c', 'u', 'v'}
+  labels = result.labels_for(sj.MUON_TIERS)
+  assert {k for k, t in labels.items() if t == 'hidden'} == hidden
+  assert result.labels_for(sj.PUBLISHED_TIERS) == result.labels
+  tx = sj.skewadam(1e-3, tiers=sj.MUON_TIERS, param_labels=result)
+  tx.init(p)
+  table = {row.path: row.tier for row in sj.label_table(tx, p).rows}
+  assert {k for k, t in table.items() if t == 'hidden'} == hidden
+  assert table['w1'] == 'experts' and table['r'] == 'router'

@@ -72,11 +72,15 @@ class Analysis:
     self.out_deps: frozenset = _info.EMPTY  # leaves the outputs depend on (pass 3)
     self.out_free: frozenset = _info.EMPTY  # ... other than through the logits (pass 3)
     self.out_open: frozenset = _info.EMPTY  # ... other than through expert-id masks
+    self.out_last: frozenset = _info.EMPTY  # leaves whose contraction made them last
     self.masked: _masks.Masked = {}  # leaf -> dec -> mask ids
     self.unclear: dict[int, str] = {}  # leaf -> meets tokens of an unclear decision
     # (leaf, axis) -> decisions over as many experts as the axis is long whose routed
     # values it meets (a contraction or elementwise alignment), bank or not
     self.near: dict[tuple[int, int], set[int]] = {}
+    # (leaf, use) -> the user's line of the first equation that used it so: 'contracted'
+    # with activations, rows 'gathered', 'aligned' elementwise (the leaves' roles)
+    self.uses: dict[tuple[int, str], str] = {}
     self.callers: list[Any] = []  # the equations whose bodies are being run, outermost first
 
   # -- decisions
@@ -168,6 +172,12 @@ class Analysis:
         if self.decision(d).num_experts == self.shapes[leaf][axis]:
           self.near.setdefault((leaf, axis), set()).add(d)
 
+  def used(self, tokens: frozenset, use: str, eqn: Any) -> None:
+    """The parameters of these axes are used so (`'contracted'`, `'gathered'`, ...)."""
+    for leaf, _ in _info.params_of(tokens):
+      if (leaf, use) not in self.uses:
+        self.uses[(leaf, use)] = self.line(eqn)
+
   def taken_apart(self, tokens: frozenset) -> None:
     """A width-1 piece of these axes is dropped: record which one."""
     for t in tokens:
@@ -195,6 +205,7 @@ class Analysis:
     self.out_deps = frozenset().union(*(o.deps for o in outs))
     self.out_free = frozenset().union(*(o.free for o in outs))
     self.out_open = frozenset().union(*(o.open for o in outs))
+    self.out_last = frozenset().union(*(o.last or _info.EMPTY for o in outs))
 
   # -- interpretation
 
@@ -241,6 +252,7 @@ class Analysis:
     deps = frozenset().union(*(x.deps for x in ins))
     free = frozenset().union(*(x.free for x in ins))
     piece = frozenset().union(*(_info.pieces(x) for x in ins))
+    last = frozenset().union(*(x.last or _info.EMPTY for x in ins))
     if self.cut and (eqn.primitive.name == 'dot_general' or (
         len(outs) == 1 and _info.elementwise_shapes(eqn))):
       hot = [bool(self.cut.intersection(t)) for t in outs[0].axes]
@@ -249,4 +261,5 @@ class Analysis:
                                    if _masks.aligned(eqn, x, v, hot, self.cut)))
     mask, unmask, open_ = _masks.masks(eqn, ins, self.masked)
     return [o._replace(deps=deps, free=free, mask=mask, unmask=unmask, open=open_,
-                       piece=piece if o.piece is None else o.piece) for o in outs]
+                       piece=piece if o.piece is None else o.piece,
+                       last=last if o.last is None else o.last) for o in outs]

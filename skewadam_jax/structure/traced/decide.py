@@ -132,9 +132,11 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
       notes.append(f'axis {_info.axis_list(pieces)} taken apart into single pieces (separate '
                    'matrices)')
     axes = set(layers) | set(pieces) | ({expert_axis} if expert_axis is not None else set())
+    role, why = _role(analysis, k, tier, len(shape) - len(axes))
     rows.append(_results.LeafStructure(path=path, shape=shape, tier=tier,
-                              batch_axes=tuple(sorted(axes)), evidence='; '.join(notes),
-                              expert_axis=expert_axis, layer_axes=layers))
+                                       batch_axes=tuple(sorted(axes)),
+                                       evidence='; '.join(notes), expert_axis=expert_axis,
+                                       layer_axes=layers, role=role, role_evidence=why))
   labels: list[Any] = [None] * n_leaves
   batch_axes: list[Any] = [None] * n_leaves
   for i, row in zip(pidx, rows):
@@ -155,3 +157,39 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
                    batch_axes=jax.tree_util.tree_unflatten(treedef, batch_axes),
                    leaves=tuple(rows), decisions=tuple(decisions), undecided=undecided)
 
+
+
+def _role(analysis: _analysis.Analysis, k: int, tier: str, ndim: int) -> tuple[str, str]:
+  """What leaf `k` does, and the equation that says so.
+
+  Routers and banks by their tier (a vector among them is the router's bias or a
+  per-expert vector); a backbone leaf is an embedding when rows of it are gathered, the
+  output layer when its contraction with activations makes the outputs (nothing
+  contracted after it), a hidden matrix when otherwise contracted with activations with
+  a matrix left beside its batch axes, and a bias or gain when added to or multiplying
+  activations elementwise.
+
+  Args:
+    analysis: the finished analysis.
+    k: the leaf.
+    tier: its tier.
+    ndim: its number of axes besides its batch axes.
+
+  Returns:
+    (role, evidence).
+  """
+  uses = {use: line for (leaf, use), line in analysis.uses.items() if leaf == k}
+  if tier == _results.ROUTER:
+    return (_results.ROUTER_MATRIX if ndim >= 2 else _results.ROUTER_BIAS), 'its tier'
+  if tier == _results.EXPERTS:
+    return (_results.EXPERT_BANK if ndim >= 2 else _results.EXPERT_VECTOR), 'its tier'
+  if 'gathered' in uses:
+    return _results.EMBEDDING, f'rows gathered at {uses["gathered"]}'
+  if 'contracted' in uses and k in analysis.out_last:
+    return _results.OUTPUT_LAYER, (f'contracted with activations at {uses["contracted"]}, '
+                                   'nothing contracted after it')
+  if 'contracted' in uses and ndim >= 2:
+    return _results.HIDDEN_MATRIX, f'contracted with activations at {uses["contracted"]}'
+  if 'aligned' in uses:
+    return _results.BIAS_GAIN, f'applied elementwise to activations at {uses["aligned"]}'
+  return _results.OTHER, ''

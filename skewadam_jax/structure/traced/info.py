@@ -50,6 +50,9 @@ class Info(NamedTuple):
   # per position of its last axis, the decision whose expert ids that column holds (an
   # index vector `[arange(T), ids]` built for a scatter or gather); () when unknown
   columns: tuple[Optional[int], ...] = ()
+  # leaves whose contraction with activations made these values last (the output layer,
+  # read at the outputs); None: those of its operands (set by `Analysis.depend`)
+  last: Optional[frozenset] = None
 
 
 def blank(ndim: int) -> Info:
@@ -93,11 +96,12 @@ def join(a: Info, b: Info) -> Info:
   """The least upper bound of two facts about the same variable."""
   axes = a.axes if len(a.axes) != len(b.axes) else tuple(x | y for x, y in zip(a.axes, b.axes))
   piece = None if a.piece is None and b.piece is None else pieces(a) | pieces(b)
+  last = None if a.last is None and b.last is None else (a.last or EMPTY) | (b.last or EMPTY)
   return Info(axes, a.data or b.data, a.routed | b.routed,
               a.eid if a.eid == b.eid else None, a.iota if a.iota == b.iota else None,
               a.deps | b.deps, a.free | b.free, a.mask & b.mask,
               a.unmask & b.unmask, a.open | b.open, piece,
-              a.columns if a.columns == b.columns else ())
+              a.columns if a.columns == b.columns else (), last)
 
 
 def common(ins: Sequence[Info]) -> tuple[bool, frozenset]:

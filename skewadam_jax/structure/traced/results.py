@@ -5,7 +5,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import jax
+
 BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
+HIDDEN = 'hidden'  # the tier a Muon-style policy orthogonalises (`sj.MUON_TIERS`)
+
+# What a leaf does in the computation (`LeafStructure.role`).
+HIDDEN_MATRIX = 'hidden matrix'  # multiplied with activations: what Muon is for
+EMBEDDING = 'embedding'  # rows gathered by token ids or positions
+OUTPUT_LAYER = 'output layer'  # the last contraction before the outputs (the logits)
+BIAS_GAIN = 'bias/gain'  # added to or multiplying activations elementwise
+ROUTER_MATRIX, ROUTER_BIAS = 'router', 'router bias'
+EXPERT_BANK, EXPERT_VECTOR = 'expert bank', 'per-expert vector'
+OTHER = 'other'  # none of these (read only by ops that give no role)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +30,8 @@ class LeafStructure:
   evidence: str  # why, in words
   expert_axis: Optional[int] = None
   layer_axes: tuple[int, ...] = ()
+  role: str = OTHER  # what it does: HIDDEN_MATRIX, EMBEDDING, OUTPUT_LAYER, ...
+  role_evidence: str = ''  # the equation (the user's line) that decided the role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +63,24 @@ class Structure:
   leaves: tuple[LeafStructure, ...]
   decisions: tuple[RoutingDecision, ...]
   undecided: dict[str, str]
+
+  def labels_for(self, tiers: Any) -> Any:
+    """`labels` for a tier policy: with a `'hidden'` tier (`sj.MUON_TIERS`), the
+    backbone leaves whose role is a hidden matrix get it (not embeddings, output
+    layers, biases or gains, whatever their names and shapes)."""
+    if HIDDEN not in tiers:
+      return self.labels
+    hidden = {leaf.path for leaf in self.leaves
+              if leaf.tier == BACKBONE and leaf.role == HIDDEN_MATRIX}
+    flat, treedef = jax.tree_util.tree_flatten(self.labels, is_leaf=lambda x: x is None)
+    order = iter(leaf.path for leaf in self.leaves)
+    out = [x if x is None else (HIDDEN if next(order) in hidden else x) for x in flat]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  @property
+  def roles(self) -> dict[str, str]:
+    """Path -> role, for every array leaf."""
+    return {leaf.path: leaf.role for leaf in self.leaves}
 
   @property
   def by_path(self) -> dict[str, LeafStructure]:

@@ -31,11 +31,19 @@ def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   for a, b in (*zip(lb, rb), *zip(lc, rc)):
     an.near_routed(lhs.axes[a], rhs)
     an.near_routed(rhs.axes[b], lhs)
+  # A parameter (its own values, not activations its axes reached) contracted with
+  # activations: a layer's matrix, whose output is the last layer's until another.
+  last = set()
+  for mine, other, dims in ((lhs, rhs, lc), (rhs, lhs, rc)):
+    if other.data and not mine.data:
+      for d in dims:
+        an.used(mine.axes[d], 'contracted', eqn)
+        last |= {leaf for leaf, _ in _info.params_of(mine.axes[d])}
   axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
   axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
   axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb]
   data, routed = _info.common(ins)
-  return [Info(tuple(axes), data, routed)]
+  return [Info(tuple(axes), data, routed, last=frozenset(last) if last else None)]
 
 
 def ragged_dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:

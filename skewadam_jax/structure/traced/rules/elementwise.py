@@ -55,11 +55,13 @@ def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
             and s[ax] == n and len(x.axes) == len(shape)]
     axes.append(frozenset().union(*(t for _, t in here)))
     if len(here) > 1 and n > 1:
-      for i, (_, mine) in enumerate(here):
+      for i, (y, mine) in enumerate(here):
         for j, (x, other) in enumerate(here):
           if i != j:
             an.meet(mine, other, False, f'{prim} with an expert-indexed axis')
             an.near_routed(mine, x)
+            if x.data and not y.data:  # a bias or gain applied to activations
+              an.used(mine, 'aligned', eqn)
   data, routed = _info.common(ins)
   eid = iota = None
   columns: tuple = ()

@@ -48,6 +48,9 @@ def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
       for t in _info.params_of(x.axes[axis]):
         if an.shapes[t[0]][t[1]] == e:
           an.bank(t, eid, 'gathered by expert id')
+  if idx.eid is None and not x.data:  # a table's rows read by token ids or positions
+    for axis in dn.start_index_map:
+      an.used(x.axes[axis], 'gathered', eqn)
   out_shape = _info.shape_of(eqn.outvars[0])
   kept = [d for d in range(len(src)) if d not in dn.collapsed_slice_dims
           and d not in dn.operand_batching_dims]

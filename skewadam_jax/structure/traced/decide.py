@@ -180,9 +180,9 @@ def _role(analysis: _analysis.Analysis, k: int, tier: str, ndim: int) -> tuple[s
   """
   uses = {use: line for (leaf, use), line in analysis.uses.items() if leaf == k}
   if tier == _results.ROUTER:
-    return (_results.ROUTER_MATRIX if ndim >= 2 else _results.ROUTER_BIAS), 'its tier'
+    return (_results.ROUTER_MATRIX if ndim >= 2 else _results.ROUTER_BIAS), ''
   if tier == _results.EXPERTS:
-    return (_results.EXPERT_BANK if ndim >= 2 else _results.EXPERT_VECTOR), 'its tier'
+    return (_results.EXPERT_BANK if ndim >= 2 else _results.EXPERT_VECTOR), ''
   if 'gathered' in uses:
     return _results.EMBEDDING, f'rows gathered at {uses["gathered"]}'
   if 'contracted' in uses and k in analysis.out_last:

@@ -31,7 +31,7 @@ class LeafStructure:
   expert_axis: Optional[int] = None
   layer_axes: tuple[int, ...] = ()
   role: str = OTHER  # what it does: HIDDEN_MATRIX, EMBEDDING, OUTPUT_LAYER, ...
-  role_evidence: str = ''  # the equation (the user's line) that decided the role
+  role_evidence: str = ''  # the equation (the user's line) that decided it ('': the tier's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +88,13 @@ class Structure:
     return {leaf.path: leaf for leaf in self.leaves}
 
   def format(self) -> str:
-    """An aligned text table: path, shape, tier, batch axes and evidence per leaf."""
-    header = ('path', 'shape', 'tier', 'batch axes', 'evidence')
+    """An aligned text table: path, shape, tier, batch axes, role and evidence per leaf."""
+    header = ('path', 'shape', 'tier', 'batch axes', 'role', 'evidence')
     body = [(x.path, 'x'.join(map(str, x.shape)) or '()', x.tier,
-             ','.join(map(str, x.batch_axes)) or '-', x.evidence) for x in self.leaves]
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(4)]
+             ','.join(map(str, x.batch_axes)) or '-', x.role,
+             x.evidence + (f' (role: {x.role_evidence})' if x.role_evidence else ''))
+            for x in self.leaves]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(5)]
     fmt = '  '.join(f'{{:<{w}}}' for w in widths) + '  {}'
     lines = [fmt.format(*header), fmt.format(*('-' * w for w in widths), '-' * 8)]
     lines += [fmt.format(*row).rstrip() for row in body]

@@ -8,7 +8,7 @@ scattered combine weights), or the group axis of a `ragged_dot`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
@@ -65,16 +65,27 @@ def ragged_dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> lis
   data, routed = _info.common(ins)
   if len(axes) != len(_info.shape_of(eqn.outvars[0])):
     axes = list(_info.blank(len(_info.shape_of(eqn.outvars[0]))).axes)
-  return [Info(tuple(axes), data, routed)]
+  return [Info(tuple(axes), data, routed, last=_contracted(an, eqn, lhs, rhs, rc))]
+
+
+def _contracted(an: _analysis.Analysis, eqn: Any, lhs: Info, rhs: Info, dims: Any
+                ) -> Optional[frozenset]:
+  """A parameter's own values (`rhs`) contracted with activations (`lhs`) over `dims`:
+  recorded, and its leaves are the last layer's (None if not such a contraction)."""
+  if not lhs.data or rhs.data:
+    return None
+  for d in dims:
+    an.used(rhs.axes[d], 'contracted', eqn)
+  last = frozenset(leaf for d in dims for leaf, _ in _info.params_of(rhs.axes[d]))
+  return last or None
 
 
 def conv_general_dilated(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """A convolution: batch from the input, output features from the kernel."""
-  del an
   lhs, rhs = ins[0], ins[1]
   lspec, rspec, ospec = eqn.params['dimension_numbers']
   axes = [_info.EMPTY] * len(_info.shape_of(eqn.outvars[0]))
   axes[ospec[0]] = lhs.axes[lspec[0]]
   axes[ospec[1]] = rhs.axes[rspec[0]]
   data, routed = _info.common(ins)
-  return [Info(tuple(axes), data, routed)]
+  return [Info(tuple(axes), data, routed, last=_contracted(an, eqn, lhs, rhs, rspec[1:]))]

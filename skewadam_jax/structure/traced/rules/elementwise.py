@@ -55,14 +55,17 @@ def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
             and s[ax] == n and len(x.axes) == len(shape)]
     axes.append(frozenset().union(*(t for _, t in here)))
     if len(here) > 1 and n > 1:
-      for i, (y, mine) in enumerate(here):
+      for i, (_, mine) in enumerate(here):
         for j, (x, other) in enumerate(here):
           if i != j:
             an.meet(mine, other, False, f'{prim} with an expert-indexed axis')
             an.near_routed(mine, x)
-            if x.data and not y.data:  # a bias or gain applied to activations
-              an.used(mine, 'aligned', eqn)
   data, routed = _info.common(ins)
+  if data:  # a parameter's own values (any broadcast) added to or scaling activations
+    for y in ins:
+      if not y.data:
+        for tokens in y.axes:
+          an.used(tokens, 'aligned', eqn)
   eid = iota = None
   columns: tuple = ()
   if prim in ID_PRESERVING:

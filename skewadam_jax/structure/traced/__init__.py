@@ -67,6 +67,16 @@ E-long axis meets values routed by a decision that dispatches nothing the analys
 see (its expert axis lost), and one masked by several ids with no unit axis. Undecided
 leaves come with a `TraceWarning` (an `sj.UnsureLabelWarning`).
 
+Each leaf also gets a **role**, read from what the program does with the parameter's own
+values, with the user's line of the equation that shows it: a router (its bias if a
+vector), an expert bank (a per-expert vector), an embedding (rows gathered by token ids
+or positions), the output layer (contracted with activations, nothing contracted after
+it before the outputs), a hidden matrix (otherwise contracted with activations, a matrix
+beside its batch axes) or a bias/gain (added to or multiplying activations). A policy
+with a `'hidden'` tier (`sj.MUON_TIERS`) gives it to the hidden matrices:
+`Structure.labels_for(tiers)`, or `sj.skewadam(lr, tiers=sj.MUON_TIERS,
+param_labels=structure)`.
+
 The package: `info` (what the analysis knows about one variable), `analysis` (the
 interpreter over a jaxpr and what it records), `rules` (the rule table, one rule per
 primitive, by family), `masks` (expert-id masks), `decide` (findings to tiers) and `api`

@@ -468,3 +468,192 @@ def test_bad_arguments_raise():
     sj.trace_structure('forward', {'w': jnp.zeros(2)})
   with pytest.raises(TypeError, match='`params`'):
     sj.trace_structure(lambda p: p, {'w': 'not an array'})
+
+
+# ---------------------------------------------------------------------------- issue 31
+
+
+def _dense_experts(p, x, combine):
+  """Every expert on every token ([E, T, D]), combined by weights [T, E]."""
+  hid = jax.nn.relu(jnp.einsum('td,edf->etf', x, p['w1']))
+  return jnp.einsum('etd,te->td', jnp.einsum('etf,efd->etd', hid, p['w2']), combine)
+
+
+def _bank_params():
+  return {'r': jnp.zeros((D, E)), 'w1': jnp.zeros((E, D, F)), 'w2': jnp.zeros((E, F, D))}
+
+
+@pytest.mark.parametrize('grouped', ['one_hot', 'scatter', 'round_trip'])
+def test_grouped_routing_and_a_reshape_round_trip_keep_the_decision(grouped):
+  groups = 2
+
+  def fn(p, x):
+    scores = jax.nn.sigmoid(x @ p['r'])  # [T, E]
+    biased = (scores + p['bias']).reshape(T, groups, E // groups)  # [T, G, E/G]
+    if grouped != 'round_trip':  # each group scored by the sum of its top 2; best kept
+      best = jax.lax.top_k(jax.lax.top_k(biased, 2)[0].sum(-1), 1)[1]  # [T, 1]
+      if grouped == 'one_hot':
+        keep = jax.nn.one_hot(best[:, 0], groups)[..., None] > 0  # [T, G, 1]
+        biased = jnp.where(keep, biased, -jnp.inf)
+      else:  # a group mask placed by a scatter, broadcast over the group and merged
+        keep = jnp.zeros((T, groups)).at[jnp.arange(T)[:, None], best].set(1.0)
+        keep = jnp.broadcast_to(keep[..., None], biased.shape).reshape(T, E)
+        biased = jnp.where(keep.reshape(biased.shape) > 0, biased, 0.0)
+    _, ids = jax.lax.top_k(biased.reshape(T, E), 2)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if grouped == 'scatter':
+      combine = jnp.zeros((T, E)).at[jnp.arange(T)[:, None], ids].add(weights)
+    else:
+      combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
+    return _dense_experts(p, x, combine)
+
+  p = {**_bank_params(), 'bias': jnp.zeros((E,))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'r': 'router', 'bias': 'router', 'w1': 'experts',
+                           'w2': 'experts'}, result.format()
+  assert result.batch_axes == {'r': (), 'bias': (), 'w1': (0,), 'w2': (0,)}
+  assert len(result.decisions) == 1 and result.decisions[0].num_experts == E
+  assert result.undecided == {}
+
+
+def test_combine_weights_built_by_a_scatter():
+  def fn(p, x):
+    weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
+    combine = jnp.zeros((T, E)).at[jnp.arange(T)[:, None], ids].set(weights)
+    return _dense_experts(p, x, combine)
+
+  result = sj.trace_structure(fn, _bank_params(), X)
+  assert result.labels == {'r': 'router', 'w1': 'experts', 'w2': 'experts'}, result.format()
+  assert result.batch_axes == {'r': (), 'w1': (0,), 'w2': (0,)}
+  assert result.undecided == {}
+
+
+@pytest.mark.parametrize('key', ['legacy', 'legacy_arg', 'typed_unwrapped', 'typed_arg',
+                                 'typed_arg_unwrapped'])
+def test_random_keys_legacy_and_typed(key):
+  def fn(p, x, k=None):
+    if key == 'legacy':
+      k = jax.random.PRNGKey(0)
+    elif key == 'typed_unwrapped':  # a batch of typed keys, unwrapped and wrapped again
+      k = jax.random.wrap_key_data(jax.random.key_data(jax.random.split(jax.random.key(0),
+                                                                        3))[1])
+    elif key == 'typed_arg_unwrapped':
+      k = jax.random.fold_in(jax.random.wrap_key_data(
+          jax.random.key_data(jax.random.split(k, 4))[2]), 7)
+    jitter, drop = jax.random.split(k)
+    logits = x @ p['r'] * jax.random.uniform(jitter, (T, E), minval=0.9, maxval=1.1)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits), 2)
+    combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
+    x = jnp.where(jax.random.bernoulli(drop, 0.9, x.shape), x, 0.0)
+    return _dense_experts(p, x, combine)
+
+  args = {'legacy_arg': (jax.random.PRNGKey(1),), 'typed_arg': (jax.random.key(1),),
+          'typed_arg_unwrapped': (jax.random.key(1),)}
+  result = sj.trace_structure(fn, _bank_params(), X, *args.get(key, ()))
+  assert result.labels == {'r': 'router', 'w1': 'experts', 'w2': 'experts'}, result.format()
+  assert result.undecided == {}
+
+
+@pytest.mark.parametrize('how', ['stack', 'concatenate'])
+def test_stacked_per_expert_outputs_of_banks_sliced_in_a_loop(how):
+  def fn(p, x):
+    weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
+    combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
+    hid = jnp.stack([jax.nn.relu(x @ p['w1'][e]) for e in range(E)])  # [E, T, F]
+    outs = [hid[e] @ p['w2'][e] for e in range(E)]
+    if how == 'stack':
+      out = jnp.stack(outs, axis=1)  # [T, E, D]
+    else:
+      out = jnp.concatenate([o[:, None] for o in outs], axis=1)
+    return jnp.einsum('ted,te->td', out, combine)
+
+  result = sj.trace_structure(fn, _bank_params(), X)
+  assert result.labels == {'r': 'router', 'w1': 'experts', 'w2': 'experts'}, result.format()
+  assert result.batch_axes == {'r': (), 'w1': (0,), 'w2': (0,)}
+  assert result.undecided == {}
+
+
+def test_stack_of_parameter_paths_is_decided():
+  def fn(p, x):
+    return jnp.stack([x @ p['a'], x @ p['b']]).sum(0) @ p['c']
+
+  p = {'a': jnp.zeros((D, F)), 'b': jnp.zeros((D, F)), 'c': jnp.zeros((F, D))}
+  result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'a': 'backbone', 'b': 'backbone', 'c': 'backbone'}
+  assert result.undecided == {}
+
+
+def test_a_primitive_without_a_rule_is_undecided_and_named_at_the_callers_line():
+  def fn(p, x):
+    return jnp.cumsum(x @ p['w'], axis=0).sum() + jnp.abs(jnp.fft.fft(x @ p['v'])).sum()
+
+  p = {'w': jnp.zeros((D, D)), 'v': jnp.zeros((D, D))}
+  with pytest.warns(sj.UnsureLabelWarning, match=r'fft.*test_structure\.py') as record:
+    result = sj.trace_structure(fn, p, X)
+  assert 'fft' in result.undecided['v'] and 'w' not in result.undecided
+  assert len([w for w in record if 'fft' in str(w.message)]) == 1
+
+
+def test_a_selection_of_parameter_values_that_decides_nothing_is_loud():
+  def fn(p, x):
+    h = x @ p['w']  # [T, D]: top_k over the tokens of a single feature
+    return jax.lax.top_k(h[:, 0], 3)[0].sum()
+
+  p = {'w': jnp.zeros((D, D))}
+  with pytest.warns(sj.UnsureLabelWarning, match=r'top_k.*test_structure\.py'):
+    result = sj.trace_structure(fn, p, X)
+  assert 'top_k' in result.undecided['w']
+
+
+def test_combine_weights_at_flat_positions_are_undecided_not_silently_backbone():
+  def fn(p, x):  # positions t * E + id of a flat [T * E] buffer: the expert axis is lost
+    weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
+    flat = (jnp.arange(T)[:, None] * E + ids).reshape(-1)
+    combine = jnp.zeros((T * E,)).at[flat].add(weights.reshape(-1)).reshape(T, E)
+    return _dense_experts(p, x, combine)
+
+  with pytest.warns(sj.UnsureLabelWarning, match='undecided'):
+    result = sj.trace_structure(fn, _bank_params(), X)
+  assert set(result.undecided) == {'r', 'w1', 'w2'}
+  assert 'lost' in result.undecided['w1']
+
+
+def _small_lm(p, tokens):
+  """A language model whose names say nothing: table, attention, MoE, MLP, head."""
+  n = tokens.shape[0]
+  h = p['tab'][tokens] + p['pos'][jnp.arange(n)]
+  h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + 1e-6) * p['g']
+  q = jnp.einsum('td,dhk->thk', h, p['a']) + p['qb']  # a 2-D bias [heads, head_dim]
+  k = jnp.einsum('td,dhk->thk', h, p['b'])
+  rel = p['rel'][jnp.abs(jnp.arange(n)[:, None] - jnp.arange(n)[None, :])]  # [T, T, H]
+  att = jax.nn.softmax(jnp.einsum('thk,shk->hts', q, k) + rel.transpose(2, 0, 1), -1)
+  h = h + jnp.einsum('hts,shk,hkd->td', att, k, p['c'])
+  w, ids = jax.lax.top_k(jax.nn.softmax(h @ p['r']), 2)
+  h = h + _dense_experts(p, h, jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), w))
+  h = h + jax.nn.gelu(h @ p['u']) @ p['v']
+  logits = h @ p['o']
+  return -jax.nn.log_softmax(logits)[jnp.arange(n), tokens].mean()
+
+
+def test_roles_from_the_computation_and_the_hidden_tier_they_give():
+  vocab, heads = 50, 2
+  p = {**_bank_params(), 'tab': jnp.zeros((vocab, D)), 'pos': jnp.zeros((T, D)),
+       'g': jnp.zeros((D,)), 'a': jnp.zeros((D, heads, 4)), 'b': jnp.zeros((D, heads, 4)),
+       'qb': jnp.zeros((heads, 4)), 'rel': jnp.zeros((T, heads)), 'c': jnp.zeros((heads, 4, D)),
+       'u': jnp.zeros((D, F)), 'v': jnp.zeros((F, D)), 'o': jnp.zeros((D, vocab))}
+  result = sj.trace_structure(_small_lm, p, jax.ShapeDtypeStruct((T,), jnp.int32))
+  assert result.roles == {
+      'tab': 'embedding', 'pos': 'embedding', 'rel': 'embedding', 'g': 'bias/gain',
+      'qb': 'bias/gain', 'a': 'hidden matrix', 'b': 'hidden matrix', 'c': 'hidden matrix',
+      'u': 'hidden matrix', 'v': 'hidden matrix', 'o': 'output layer', 'r': 'router',
+      'w1': 'expert bank', 'w2': 'expert bank'}, result.format()
+  assert 'test_structure.py' in result.by_path['tab'].role_evidence
+  hidden = {'a', 'b', 'c', 'u', 'v'}
+  labels = result.labels_for(sj.MUON_TIERS)
+  assert {k for k, t in labels.items() if t == 'hidden'} == hidden
+  assert result.labels_for(sj.PUBLISHED_TIERS) == result.labels
+  tx = sj.skewadam(1e-3, tiers=sj.MUON_TIERS, param_labels=result)
+  tx.init(p)
+  table = {row.path: row.tier for row in sj.label_table(tx, p).rows}
+  assert {k for k, t in table.items() if t == 'hidden'} == hidden
+  assert table['w1'] == 'experts' and table['r'] == 'router'

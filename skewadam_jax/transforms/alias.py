@@ -14,6 +14,7 @@ from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import pooling as _pooling
 from skewadam_jax.structure import hidden as _hidden
 from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import traced as _traced
 from skewadam_jax.structure import warning as _warning
 from skewadam_jax.transforms import presets as _presets
 from skewadam_jax.transforms import tier as _tier
@@ -60,7 +61,9 @@ def tier_labeler(tiers: Mapping[str, _tier.Tier], param_labels: Any = None
   """A validating labeler: params -> full label tree whose labels all name a tier."""
 
   def labeler(params: Any) -> Any:
-    if param_labels is None and _hidden.HIDDEN_TIER in tiers:
+    if isinstance(param_labels, _traced.Structure):  # the hidden tier from the roles
+      labels = param_labels.labels_for(tiers)
+    elif param_labels is None and _hidden.HIDDEN_TIER in tiers:
       labels = _hidden.hidden_param_labels(params)
     else:
       labels = _labels.resolve_labels(params, param_labels)
@@ -109,7 +112,10 @@ def skewadam(
     param_labels: a pytree of tier names matching the params, or a function of the
       params returning one; default `moe_param_labels` (`hidden_param_labels` when
       `tiers` has a `'hidden'` tier, as `MUON_TIERS` does). A function is called on the
-      params at `init` and on the updates at `update`, so it must label both alike.
+      params at `init` and on the updates at `update`, so it must label both alike. Or
+      the `sj.trace_structure` of the model: its labels and batch axes, and with a
+      `'hidden'` tier the backbone leaves the computation shows to be hidden matrices
+      (not embeddings, output layers, biases or gains) get it.
     batch_axes: each leaf's batch axes, the axes that index independent matrices (the
       expert axis, a scanned layer axis, wherever it sits): a tree of int tuples
       matching the params, or a function of the params returning one; default
@@ -139,6 +145,8 @@ def skewadam(
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
   tiers = _presets.check_tiers(tiers)
+  if isinstance(param_labels, _traced.Structure) and batch_axes is None:
+    batch_axes = param_labels.batch_axes
   labeler = tier_labeler(tiers, param_labels)
   # The built-in labeler reports unsure subtrees (a stack or a bank?) itself.
   labeler_reports = param_labels is None or isinstance(param_labels, _labels.Labeler)

@@ -1,0 +1,265 @@
+"""The interpreter: a forward dataflow over a jaxpr, one rule per primitive.
+
+`Analysis.run` walks a jaxpr's equations in order; each equation's primitive names its
+rule in the table the analysis is given (`rules.RULES`, like jax's
+`batching.primitive_batchers`): the rule maps the operands' facts (`info.Info`) to the
+outputs' and records what it finds on the analysis (routing decisions, expert banks,
+scanned and stacked axes, blind spots). The value facts (which leaves, decisions and
+masks a value depends on) then flow from every operand to every output
+(`Analysis.depend`), except for the rules that enter a body and follow it instead
+(`follows_bodies`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+from jax.extend import core as jex_core
+import numpy as np
+
+from skewadam_jax.structure.traced import info as _info
+from skewadam_jax.structure.traced import masks as _masks
+
+Info = _info.Info
+# A rule: (analysis, equation, operands' facts) -> outputs' facts.
+Rule = Callable[['Analysis', Any, list[Info]], list[Info]]
+
+
+def follows_bodies(rule: Rule) -> Rule:
+  """Marks a rule that enters its equation's bodies: the value facts follow them, so
+  `Analysis.depend` does not join every operand into every output."""
+  rule.follows_bodies = True  # type: ignore[attr-defined]
+  return rule
+
+
+@dataclasses.dataclass
+class Decision:
+  """A routing decision: a selection over an expert axis."""
+  primitive: str
+  num_experts: int  # -1 when the expert axis cannot be told
+  ids: bool = True  # its indices are expert ids (token choice), not token positions
+  routers: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+  deps: frozenset = _info.EMPTY  # leaves the selected values (the logits) depend on
+  unclear: str = ''  # why the expert axis cannot be told
+
+
+class Analysis:
+  """Forward dataflow over a jaxpr, recording decisions, banks, scans and blind spots.
+
+  Args:
+    shapes: the parameter leaves' shapes.
+    rules: primitive name -> rule.
+    no_rule: the rule of a primitive not in `rules`.
+  """
+
+  def __init__(self, shapes: list[tuple[int, ...]], rules: dict[str, Rule], no_rule: Rule):
+    self.shapes = shapes
+    self.rules, self.no_rule = rules, no_rule
+    self.decisions: dict[int, Decision] = {}  # id(eqn) -> decision
+    self.order: list[int] = []  # decision keys in discovery order
+    self.router_tokens: dict[tuple[int, int], set[int]] = {}  # set for the second pass
+    self.banks: dict[tuple[int, int], dict[str, set[int]]] = {}  # (leaf, axis) -> why -> decs
+    self.scans: dict[tuple[int, int], int] = {}  # (leaf, axis) -> scan length
+    self.opaque: dict[int, set[str]] = {}  # leaf -> what it reached unseen
+    # (primitive, source line) -> leaves crossing a primitive with no rule, and those
+    # feeding a selection that made no decision
+    self.unknown: dict[tuple[str, str], set[int]] = {}
+    self.blind: dict[tuple[str, str], set[int]] = {}
+    # (leaf, axis) -> the single pieces taken out of it and dropped (None: at a counter)
+    self.pieces: dict[tuple[int, int], set[Optional[int]]] = {}
+    self.cut: set[tuple[int, int]] = set()  # router axes of dispatching decisions (pass 3)
+    self.out_deps: frozenset = _info.EMPTY  # leaves the outputs depend on (pass 3)
+    self.out_free: frozenset = _info.EMPTY  # ... other than through the logits (pass 3)
+    self.out_open: frozenset = _info.EMPTY  # ... other than through expert-id masks
+    self.out_last: frozenset = _info.EMPTY  # leaves whose contraction made them last
+    self.masked: _masks.Masked = {}  # leaf -> dec -> mask ids
+    self.unclear: dict[int, str] = {}  # leaf -> meets tokens of an unclear decision
+    # (leaf, axis) -> decisions over as many experts as the axis is long whose routed
+    # values it meets (a contraction or elementwise alignment), bank or not
+    self.near: dict[tuple[int, int], set[int]] = {}
+    # (leaf, use) -> the user's line of the first equation that used it so: 'contracted'
+    # with activations, rows 'gathered', 'aligned' elementwise (the leaves' roles)
+    self.uses: dict[tuple[int, str], str] = {}
+    self.callers: list[Any] = []  # the equations whose bodies are being run, outermost first
+
+  # -- decisions
+
+  def add_decision(self, eqn: Any, prim: str, num_experts: int, ids: bool, unclear: str,
+                   routers: Sequence[tuple[int, int]], deps: frozenset
+                   ) -> tuple[int, bool]:
+    """Registers (or updates, on a later pass or loop iteration) the decision `eqn` makes.
+
+    Returns its number and whether its indices are expert ids, as first read (a loop's
+    later passes add axes).
+    """
+    key = id(eqn)
+    if key not in self.decisions:
+      self.decisions[key] = Decision(prim, num_experts, ids, unclear=unclear)
+      self.order.append(key)
+    d = self.decisions[key]
+    d.routers.update(routers)
+    d.deps = d.deps | deps
+    return self.order.index(key), d.ids
+
+  def decision(self, dec: int) -> Decision:
+    return self.decisions[self.order[dec]]
+
+  def latest(self, decs: Any, num_experts: int) -> Optional[int]:
+    """The last of `decs` over `num_experts` experts (None if none).
+
+    A value's `routed` set holds every decision upstream of it, those of earlier layers
+    included; tokens dispatched to a bank were dispatched by the last of them.
+    """
+    matching = [d for d in decs if self.decision(d).num_experts == num_experts]
+    return max(matching) if matching else None
+
+  def confirmed(self) -> set[int]:
+    """The decisions that dispatch tokens to a bank or to a masked unit."""
+    found = {d for why in self.banks.values() for decs in why.values() for d in decs
+             if d is not None}
+    return found | {d for decs in self.gated().values() for d in decs
+                    if self.decision(d).num_experts > 0}
+
+  def gated(self) -> dict[int, dict[int, set[Optional[int]]]]:
+    """Leaf -> decision -> ids: leaves whose every way to the outputs is masked by ids.
+
+    Such a leaf only acts on the tokens a decision sends to the unit of that id: one
+    unit of an unstacked bank (`for e in range(E): y += where(ids == e, f(x @ w[e]),
+    0)`, a Python list of matrices).
+    """
+    return {leaf: decs for leaf, decs in self.masked.items()
+            if leaf in self.out_deps and leaf not in self.out_open
+            and not any(t[0] == leaf for t in self.router_tokens)}
+
+  # -- banks and other findings
+
+  def bank(self, leaf_axis: tuple[int, int], dec: Optional[int], why: str) -> None:
+    """Records a parameter axis as the expert axis of a bank of decision `dec`."""
+    self.banks.setdefault(leaf_axis, {}).setdefault(why, set()).add(dec)
+
+  def experts_of(self, tokens: frozenset, dispatched: bool) -> set[int]:
+    """Decisions whose experts this axis indexes (with `dispatched`: or whose tokens)."""
+    decs = _info.flags(tokens, 'e')
+    if dispatched:
+      decs |= _info.flags(tokens, 'd')
+    for t in tokens:
+      decs |= self.router_tokens.get(t, set())
+    return decs
+
+  def meet(self, mine: frozenset, other: frozenset, dispatched: bool, why: str) -> None:
+    """Parameter axes in `mine` of length E meet an axis indexing E experts: banks."""
+    if not any(isinstance(t[0], int) for t in mine):
+      return
+    decs = self.experts_of(other, dispatched)
+    for leaf, axis in _info.params_of(mine):
+      if (leaf, axis) in self.router_tokens:
+        continue
+      dec = self.latest(decs, self.shapes[leaf][axis])
+      if dec is not None:
+        self.bank((leaf, axis), dec, why)
+      for d in decs:  # tokens dispatched by a decision whose expert axis is unknown
+        if self.decision(d).unclear:
+          self.unclear.setdefault(leaf, f'meets the tokens {self.decision(d).primitive} '
+                                  f'dispatches, whose {self.decision(d).unclear}')
+
+  def near_routed(self, mine: frozenset, other: Info) -> None:
+    """Parameter axes in `mine` meet an axis of values routed by decisions over as many
+    experts as they are long: recorded, so that a bank whose expert axis the analysis
+    lost (the decision then dispatches nothing it can see) is reported, not silent."""
+    for leaf, axis in _info.params_of(mine):
+      for d in other.routed:
+        if self.decision(d).num_experts == self.shapes[leaf][axis]:
+          self.near.setdefault((leaf, axis), set()).add(d)
+
+  def used(self, tokens: frozenset, use: str, eqn: Any) -> None:
+    """The parameters of these axes are used so (`'contracted'`, `'gathered'`, ...)."""
+    for leaf, _ in _info.params_of(tokens):
+      if (leaf, use) not in self.uses:
+        self.uses[(leaf, use)] = self.line(eqn)
+
+  def taken_apart(self, tokens: frozenset) -> None:
+    """A width-1 piece of these axes is dropped: record which one."""
+    for t in tokens:
+      if t[0] == '1' and self.shapes[t[1][0]][t[1][1]] > 1:
+        self.pieces.setdefault(t[1][:2], set()).add(t[1][2])
+
+  def unseen(self, what: str, ins: Sequence[Info]) -> None:
+    """The parameter axes of `ins` reach `what`, which the analysis does not see into."""
+    for x in ins:
+      for tokens in x.axes:
+        for leaf, _ in _info.params_of(tokens):
+          self.opaque.setdefault(leaf, set()).add(what)
+
+  def line(self, eqn: Any) -> str:
+    """The user's source line of `eqn`, or of the innermost call around it that has one
+    (the body of a cached `jit`, such as `jnp.fft.fft`'s, has none of its own)."""
+    for e in (eqn, *reversed(self.callers)):
+      line = _info.source_line(e)
+      if line:
+        return line
+    return 'an unknown line'
+
+  def outputs(self, outs: Sequence[Info]) -> None:
+    """Records which leaves the outputs depend on, and how."""
+    self.out_deps = frozenset().union(*(o.deps for o in outs))
+    self.out_free = frozenset().union(*(o.free for o in outs))
+    self.out_open = frozenset().union(*(o.open for o in outs))
+    self.out_last = frozenset().union(*(o.last or _info.EMPTY for o in outs))
+
+  # -- interpretation
+
+  def run(self, jaxpr: Any, infos: Sequence[Info], consts: Sequence[Any] = ()) -> list[Info]:
+    """Infos of `jaxpr`'s outputs given those of its inputs."""
+    env: dict[Any, Info] = {}
+    for var in jaxpr.constvars:
+      env[var] = _info.blank(len(_info.shape_of(var)))
+    for var, info in zip(jaxpr.invars, infos):
+      env[var] = info
+
+    def read(v: Any) -> Info:
+      if isinstance(v, jex_core.Literal):
+        return _info.blank(len(np.shape(v.val)))
+      return env.get(v) or _info.blank(len(_info.shape_of(v)))
+
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      for var, info in zip(eqn.outvars, self.eqn(eqn, ins)):
+        env[var] = info
+    return [read(v) for v in jaxpr.outvars]
+
+  def eqn(self, eqn: Any, ins: list[Info]) -> list[Info]:
+    """The outputs' facts of one equation, by its primitive's rule."""
+    rule = self.rules.get(eqn.primitive.name, self.no_rule)
+    self.callers.append(eqn)
+    try:
+      outs = rule(self, eqn, ins)
+    finally:
+      self.callers.pop()
+    if getattr(rule, 'follows_bodies', False):
+      return outs
+    return self.depend(eqn, ins, outs)
+
+  def depend(self, eqn: Any, ins: list[Info], outs: list[Info]) -> list[Info]:
+    """Value dependences: every output depends on every input.
+
+    `free` leaves the logits of a dispatching decision behind: where a contraction or
+    an elementwise op makes values carrying a router's expert axis (`self.cut`), the
+    operands none of whose axes line up with that axis (the hidden states and their
+    scales, contracted into the logits) stop there. A rule that sets an output's `piece`
+    has said which parameter pieces it is computed from; otherwise it is its operands'.
+    """
+    deps = frozenset().union(*(x.deps for x in ins))
+    free = frozenset().union(*(x.free for x in ins))
+    piece = frozenset().union(*(_info.pieces(x) for x in ins))
+    last = frozenset().union(*(x.last or _info.EMPTY for x in ins))
+    if self.cut and (eqn.primitive.name == 'dot_general' or (
+        len(outs) == 1 and _info.elementwise_shapes(eqn))):
+      hot = [bool(self.cut.intersection(t)) for t in outs[0].axes]
+      if any(hot):
+        free = frozenset().union(*(x.free for x, v in zip(ins, eqn.invars)
+                                   if _masks.aligned(eqn, x, v, hot, self.cut)))
+    mask, unmask, open_ = _masks.masks(eqn, ins, self.masked)
+    return [o._replace(deps=deps, free=free, mask=mask, unmask=unmask, open=open_,
+                       piece=piece if o.piece is None else o.piece,
+                       last=last if o.last is None else o.last) for o in outs]

@@ -1,0 +1,96 @@
+"""Call rules: calls the analysis enters, calls it cannot, and primitives with no rule.
+
+`jit`/`pjit`, `remat`, `custom_jvp`/`custom_vjp` calls, `shard_map` and other calls
+whose body maps their operands one to one are entered. A call the analysis cannot enter
+(a Pallas kernel, a callback) is read as a grouped matmul when its integer operands
+carry a routing decision; otherwise the parameters reaching it are undecided. A
+primitive with no rule makes every leaf whose flow crosses it undecided, with one
+warning naming it and the user's line (`Analysis.unknown`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from jax.extend import core as jex_core
+
+from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import info as _info
+
+Info = _info.Info
+
+# Calls whose body maps their operands one to one (jax's names across versions).
+ENTERED = ('jit', 'pjit', 'closed_call', 'core_call', 'remat', 'remat2', 'checkpoint',
+           'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'shard_map',
+           'custom_lin', 'named_call')
+# Calls whose body the analysis cannot see.
+OPAQUE = ('pallas_call', 'pure_callback', 'io_callback', 'custom_call', 'ffi_call',
+          'debug_callback')
+
+
+def sub_jaxpr(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
+  """(jaxpr, consts) of a call-like equation whose body maps its operands one to one."""
+  for name in ('jaxpr', 'call_jaxpr', 'fun_jaxpr'):
+    sub = eqn.params.get(name)
+    if isinstance(sub, jex_core.ClosedJaxpr):
+      sub, consts = sub.jaxpr, list(sub.consts)
+    elif isinstance(sub, jex_core.Jaxpr):
+      consts = []
+    else:
+      continue
+    if len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars):
+      return sub, consts
+  return None
+
+
+@_analysis.follows_bodies
+def call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """A call: its body's facts (one it cannot enter is an unknown primitive)."""
+  sub = sub_jaxpr(eqn)
+  if sub is None:
+    return no_rule(an, eqn, ins)
+  return an.run(sub[0], ins, sub[1])
+
+
+def opaque_call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """A call the analysis cannot enter (a Pallas kernel, a callback).
+
+  When its integer operands carry a routing decision over E experts (group sizes or
+  offsets computed from the expert ids), it is read as a grouped matmul: a parameter
+  operand's axis of length E is that decision's expert axis.
+  """
+  prim = eqn.primitive.name
+  routed = frozenset().union(*(x.routed for x, v in zip(ins, eqn.invars)
+                               if _info.is_integer(v)))
+  found = False
+  for x in ins:
+    for tokens in x.axes:
+      for leaf, axis in _info.params_of(tokens):
+        dec = an.latest(routed, an.shapes[leaf][axis])
+        if dec is not None:
+          an.bank((leaf, axis), dec, f'an E-long operand axis of {prim}, whose integer '
+                  'operands are routed (read as a grouped matmul)')
+          found = True
+  if not found:
+    an.unseen(prim, ins)
+  data, routed = _info.common(ins)
+  return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]
+
+
+@_analysis.follows_bodies
+def no_rule(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """A primitive with no rule: a call whose body maps its operands is entered; any
+  other makes the leaves whose flow crosses it undecided (the parameters on its
+  operands' axes and those its operands' values depend on)."""
+  sub = sub_jaxpr(eqn)
+  if sub is not None:
+    return an.run(sub[0], ins, sub[1])
+  prim, line = eqn.primitive.name, an.line(eqn)
+  leaves = {leaf for x in ins for t in x.axes for leaf, _ in _info.params_of(t)}
+  leaves |= {leaf for x in ins for leaf in x.deps}
+  an.unknown.setdefault((prim, line), set()).update(leaves)
+  for leaf in leaves:
+    an.opaque.setdefault(leaf, set()).add(f'{prim} (at {line}; no rule)')
+  data, routed = _info.common(ins)
+  outs = [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]
+  return an.depend(eqn, ins, outs)

@@ -1,0 +1,132 @@
+"""Selection and reduction rules: where routing decisions are made.
+
+A **routing decision** is a `top_k`, `approx_max_k`, `argmax`/`argmin` or a `sort`
+(argsort) whose operand has an expert axis: one a parameter's axis reaches and no input's
+axis does. Token choice selects along it (the indices are expert ids); expert choice
+selects along the token axis and the expert axis is another (the indices are token
+positions). The parameters whose axes reach the expert axis are its routers.
+
+A selection within a part of an expert axis split by a reshape (the groups of a
+group-limited router, `[T, G, E/G]`) is no decision of its own: the decision is the
+selection over the whole axis, after the reshape back. Any other selection among values
+computed from parameters that makes no decision is recorded (`Analysis.blind`): the
+leaves it depends on are reported undecided, with a warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import info as _info
+
+Info = _info.Info
+EMPTY = _info.EMPTY
+
+REDUCTIONS = ('reduce_sum', 'reduce_max', 'reduce_min', 'reduce_prod', 'reduce_and',
+              'reduce_or', 'reduce_xor', 'reduce_precision_sum', 'argmax', 'argmin')
+CUMULATIVE = ('cumsum', 'cumprod', 'cummax', 'cummin', 'cumlogsumexp')
+
+
+def decide_along(an: _analysis.Analysis, eqn: Any, prim: str, operand: Info, axis: int,
+                 shape: Sequence[int]) -> tuple[Optional[int], bool]:
+  """Registers a routing decision selecting along `axis` of `operand`, if any.
+
+  Returns the decision and whether its indices are expert ids. The expert axis is the
+  one a router's parameter produces (its kernel's output axis) and no input's axis
+  reaches. Token choice selects along it. Expert choice selects along the token axis
+  (an input's axis, or no parameter's) while another axis is the expert axis: its
+  indices are token positions, grouped by that axis.
+  """
+  if operand.eid is not None:  # sorting expert ids (dispatch), not choosing them
+    return None, False
+
+  def clean(a: int) -> bool:
+    return bool(_info.params_of(operand.axes[a])) and _info.INPUT_AXIS not in operand.axes[a]
+
+  others = [a for a in range(len(shape)) if a != axis and clean(a) and shape[a] > 1]
+  unclear = ''
+  if clean(axis):
+    expert, ids = axis, True
+  elif len(others) == 1:
+    expert, ids = others[0], False
+  elif others:
+    expert, ids = None, False
+    unclear = (f'axes {_info.axis_list(others)} of its operand all come from parameters '
+               'and none from the inputs: which one indexes the experts cannot be told')
+  elif _info.params_of(operand.axes[axis]):  # the logits also take input data (noise)
+    expert, ids = axis, True
+  else:
+    if operand.deps and not operand.routed and not _info.flags(operand.axes[axis], 's'):
+      an.blind.setdefault((prim, an.line(eqn)), set()).update(operand.deps)
+    return None, False
+  routers = [t for a in ([expert] if expert is not None else others)
+             for t in _info.params_of(operand.axes[a])]
+  return an.add_decision(eqn, prim, shape[expert] if expert is not None else -1, ids,
+                         unclear, routers, operand.deps)
+
+
+def reduce(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """Reductions drop their axes; an `argmax`/`argmin` over one axis may decide."""
+  x = ins[0]
+  drop = set(eqn.params['axes'])
+  axes = tuple(a for i, a in enumerate(x.axes) if i not in drop)
+  prim = eqn.primitive.name
+  if prim in ('argmax', 'argmin') and len(drop) == 1:
+    (axis,) = drop
+    dec, ids = decide_along(an, eqn, prim, x, axis, _info.shape_of(eqn.invars[0]))
+    if dec is not None:
+      return [Info(axes, x.data, x.routed | {dec}, dec if ids else None)]
+  return [Info(axes, x.data, x.routed)]
+
+
+def _select(an: _analysis.Analysis, eqn: Any, ins: list[Info], axis: int) -> list[Info]:
+  """top_k-like: values and indices of the best `k` along `axis`."""
+  x = ins[0]
+  axes = tuple(EMPTY if i == axis else a for i, a in enumerate(x.axes))
+  dec, ids = decide_along(an, eqn, eqn.primitive.name, x, axis, _info.shape_of(eqn.invars[0]))
+  if dec is None:
+    return [Info(axes, x.data, x.routed) for _ in eqn.outvars]
+  routed = x.routed | {dec}
+  return [Info(axes, x.data, routed), Info(axes, x.data, routed, dec if ids else None)]
+
+
+def top_k(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  ndim = len(_info.shape_of(eqn.invars[0]))
+  return _select(an, eqn, ins, eqn.params.get('axis', -1) % ndim)
+
+
+def approx_top_k(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  ndim = len(_info.shape_of(eqn.invars[0]))
+  return _select(an, eqn, ins, eqn.params.get('reduction_dimension', -1) % ndim)
+
+
+def sort(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """`sort` of keys and their companions: an argsort of logits decides; sorting by
+  expert ids (or values computed from them) dispatches along the sorted axis."""
+  dim, nkeys = eqn.params['dimension'], eqn.params.get('num_keys', 1)
+  data, routed = _info.common(ins)
+  axes = [frozenset().union(*(x.axes[ax] for x in ins)) if ax != dim else EMPTY
+          for ax in range(len(ins[0].axes))]
+  keys = ins[:nkeys]
+  dec, ids = None, False
+  for k in keys:
+    dec, ids = decide_along(an, eqn, 'sort', k, dim, _info.shape_of(eqn.invars[0]))
+    if dec is not None:
+      break
+  if dec is not None:  # argsort of the logits: the permutation holds expert ids
+    routed = routed | {dec}
+    return [Info(tuple(axes), data, routed, dec if ids and x.iota == dim else None)
+            for x in ins]
+  keyed = frozenset().union(*(k.routed for k in keys))
+  if keyed:  # sorting by routed keys (expert ids) dispatches along `dim`
+    axes[dim] = frozenset(('d', d) for d in keyed)
+  return [Info(tuple(axes), data, routed, x.eid if i < nkeys else None)
+          for i, x in enumerate(ins)]
+
+
+def cumulative(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """`cumsum` and its kin (capacity positions): every axis keeps its tokens."""
+  del an, eqn
+  x = ins[0]
+  return [Info(x.axes, x.data, x.routed)]

@@ -61,7 +61,7 @@ def test_quickstart_runs_as_printed_and_lowers_the_loss():
 
 def test_trace_advice_gives_the_hidden_tier_and_the_traced_tiers():
   params, loss_fn, batch = _params_and_loss()
-  advice = re.search(r'`(labels = sj\.trace_structure\([^`]*)`, then\s+`([^`]*)`', README, re.S)
+  advice = re.search(r'`(trace = sj\.trace_structure\([^`]*)`, then\s+`([^`]*)`', README, re.S)
   assert advice, 'the README no longer shows how to use traced labels with MUON_TIERS'
   namespace = {'sj': sj, 'params': params, 'loss_fn': loss_fn, 'batch': batch, 'lr': 1e-2}
   exec(advice.group(1) + '\ntx = ' + advice.group(2), namespace)  # noqa: S102

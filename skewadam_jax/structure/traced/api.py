@@ -17,7 +17,7 @@ from jax.extend import core as jex_core
 import numpy as np
 
 from skewadam_jax.core import tree as _tree
-from skewadam_jax.structure import labels as _labels
+from skewadam_jax.structure import warning as _warning
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import decide as _decide
@@ -26,7 +26,7 @@ from skewadam_jax.structure.traced import results as _results
 from skewadam_jax.structure.traced import rules as _rules
 
 
-class TraceWarning(_labels.UnsureLabelWarning):
+class TraceWarning(_warning.UnsureLabelWarning):
   """`trace_structure` could not see part of the program: some leaves are undecided.
 
   An `sj.UnsureLabelWarning`: filtering (or raising) that class covers it too.

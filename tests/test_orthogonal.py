@@ -327,10 +327,13 @@ def test_jit_and_inject_hyperparams_with_muon_tiers():
 
 @pytest.mark.parametrize('name', ['skewadam-muon', 'skewadam-muon-orthogonal-experts'])
 def test_example_optimizers_of_the_muon_tiers(name):
+  from flax import nnx
+
   from examples.moe_lm import model as model_lib
   from examples.moe_lm import optimizers as opt_lib
 
-  params = model_lib.abstract_params(model_lib.get_config('tiny')).to_pure_dict()
+  # nnx.to_pure_dict: State.to_pure_dict() is deprecated.
+  params = nnx.to_pure_dict(model_lib.abstract_params(model_lib.get_config('tiny')))
   tx, info = opt_lib.make_optimizer(name, 1e-3, total_steps=10, warmup_steps=1)
   rows = sj.label_table(tx, params)
   assert sj.optimizer_state_bytes(tx, params) == sum(r.state_bytes for r in rows)

@@ -64,11 +64,23 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
-from jax.extend import core as jex_core
 import numpy as np
 
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.core import tree as _tree
+
+
+class _JexCore:
+  """`jax.extend.core`, imported at first use rather than with the library: `jax.extend`
+  imports all of its submodules, Pallas among them (about half of what `import
+  skewadam_jax` added to `import jax, optax`)."""
+
+  def __getattr__(self, name: str) -> Any:
+    from jax.extend import core
+    return getattr(core, name)
+
+
+jex_core = _JexCore()
 
 BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
 

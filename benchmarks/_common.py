@@ -102,6 +102,15 @@ def machine_line(m: dict[str, Any]) -> str:
           f"jaxlib {v['jaxlib']}, optax {v['optax']}, flax {v['flax']}")
 
 
+def load_average() -> list[float]:
+  """The machine's 1, 5 and 15 minute load averages (timings on a shared machine are
+  only comparable within a run; the load says how noisy it was)."""
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return [float('nan')] * 3
+
+
 def init_on_float32(tx: Any) -> Any:
   """`params -> tx.init(params as float32)`: float32 optimizer state for any weights.
 

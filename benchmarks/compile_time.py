@@ -11,14 +11,21 @@ compilation cache is hit:
   the optimizer update and apply on given gradients: what the optimizer adds to a
   large model's compile.
 
-After one untimed warm-up round (imports and JAX's tracing caches), rounds are
-interleaved (each round compiles every optimizer once, in a rotating order),
-and the reported ratio is the median over rounds of `time(opt) / time(adamw)` of the
-same round, so that load from other processes hits all optimizers alike. Also
-reported: the optimised HLO's instruction count and, on XLA:CPU, its kernel count.
+Each sample runs in a fresh Python process (this script with `--one`), so that it
+measures what a user's first step costs: no tracing cache, no compilation cache, no
+jaxpr of an earlier optimizer to reuse. The process imports everything and compiles a
+trivial function first (backend start-up, common to every optimizer), then times the
+step's trace + lower and its XLA compile. Rounds are interleaved (each round runs every
+optimizer once, in a rotating order), and the reported ratio is the median over rounds
+of `time(opt) / time(adamw)` of the same round, so that load from other processes hits
+all optimizers alike. Also reported: the same with the process's CPU time
+(`time.process_time`, every thread) instead of wall-clock time, which other processes
+on a loaded machine disturb less, and the optimised HLO's instruction count and, on
+XLA:CPU, its kernel count.
 
   python benchmarks/compile_time.py                     # both steps, 3 rounds
-  python benchmarks/compile_time.py --steps tree32 --rounds 5
+  python benchmarks/compile_time.py --steps model --rounds 5
+  python benchmarks/compile_time.py --steps model --optimizers skewadam-muon-tiers
 
 Writes results/compile_time.{json,md,png} under benchmarks/.
 """
@@ -26,7 +33,10 @@ Writes results/compile_time.{json,md,png} under benchmarks/.
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -47,11 +57,15 @@ WD = 0.1
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     'adamw': lambda: optax.adamw(LR, weight_decay=WD),
     'skewadam': lambda: sj.skewadam(LR, weight_decay=WD),
+    'skewadam-adam-eps-tiers': lambda: sj.skewadam(LR, weight_decay=WD, tiers=sj.ADAM_EPS_TIERS),
+    'skewadam-muon-tiers': lambda: sj.skewadam(LR, weight_decay=WD, tiers=sj.MUON_TIERS),
     'adampm': lambda: sj.adampm(LR, weight_decay=WD, group_size=8),
 }
 LABELS = {
     'adamw': 'optax.adamw',
     'skewadam': 'SkewAdam (published tiers)',
+    'skewadam-adam-eps-tiers': 'SkewAdam (ADAM_EPS_TIERS)',
+    'skewadam-muon-tiers': 'SkewAdam (MUON_TIERS)',
     'adampm': 'AdamPM (s = 8)',
 }
 
@@ -119,22 +133,38 @@ def kernels(hlo: str) -> int:
 
 def compile_once(name: str, which: str, preset: str) -> dict[str, float]:
   """Lowers and compiles one fresh jit of `which` with optimizer `name`."""
+  jax.jit(lambda x: x + 1).lower(jnp.float32(0)).compile()  # backend start-up, untimed
   tx = OPTIMIZERS[name]()
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   if which == 'tree32':
     fn, args = jax.jit(tree_step(tx), donate_argnums=(0, 1)), tree_args(tx)
   else:
     fn, args = model_step(tx, preset)
   lowered = fn.lower(*args)
-  t1 = time.perf_counter()
+  t1, c1 = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
-  t2 = time.perf_counter()
+  t2, c2 = time.perf_counter(), time.process_time()
   hlo = compiled.as_text()
   return {'lower_s': t1 - t0, 'compile_s': t2 - t1, 'total_s': t2 - t0,
+          'lower_cpu_s': c1 - c0, 'compile_cpu_s': c2 - c1, 'total_cpu_s': c2 - c0,
           'hlo_instructions': hlo.count('\n  '), 'kernels': kernels(hlo)}
 
 
+def compile_in_fresh_process(name: str, which: str, preset: str) -> dict[str, float]:
+  """`compile_once` in a new Python process (this script with `--one`)."""
+  out = subprocess.run([sys.executable, __file__, '--one', which, name, '--preset', preset],
+                       check=True, capture_output=True, text=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
+  if len(sys.argv) > 1 and sys.argv[1] == '--one':  # a sample, in its own process
+    one = argparse.ArgumentParser()
+    one.add_argument('--one', nargs=2, metavar=('STEP', 'OPTIMIZER'))
+    one.add_argument('--preset', default='small')
+    a = one.parse_args()
+    print(json.dumps(compile_once(a.one[1], a.one[0], a.preset)))
+    return
   ap = argparse.ArgumentParser(description=__doc__.split('\n')[0],
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   ap.add_argument('--steps', nargs='+', default=['model', 'tree32'],
@@ -148,20 +178,17 @@ def main() -> None:
   args = ap.parse_args()
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
 
+  load_before = _common.load_average()
   runs: dict[str, dict[str, list[dict[str, float]]]] = {
       w: {n: [] for n in names} for w in args.steps}
-  total = len(args.steps) * (args.rounds + 1) * len(names)
+  total = len(args.steps) * args.rounds * len(names)
   with tqdm(total=total, desc='compiling') as bar:
-    for which in args.steps:  # warm-up round, not timed: imports, tracing caches
-      for name in names:
-        compile_once(name, which, args.preset)
-        bar.update()
     for r in range(args.rounds):
       for which in args.steps:
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
           bar.set_postfix_str(f'{which}/{name}')
-          runs[which][name].append(compile_once(name, which, args.preset))
+          runs[which][name].append(compile_in_fresh_process(name, which, args.preset))
           bar.update()
 
   rows, results = [], {}
@@ -170,22 +197,31 @@ def main() -> None:
     for name in names:
       mine = runs[which][name]
       ratio = float(np.median([m['total_s'] / b['total_s'] for m, b in zip(mine, base)]))
+      cpu_ratio = float(np.median([m['total_cpu_s'] / b['total_cpu_s']
+                                   for m, b in zip(mine, base)]))
       med = {k: float(np.median([m[k] for m in mine])) for k in mine[0]}
-      results.setdefault(which, {})[name] = dict(med, ratio_vs_adamw=ratio, rounds=mine)
+      results.setdefault(which, {})[name] = dict(med, ratio_vs_adamw=ratio,
+                                                 cpu_ratio_vs_adamw=cpu_ratio, rounds=mine)
       rows.append([which, LABELS[name], f"{med['lower_s']:.2f}", f"{med['compile_s']:.2f}",
-                   f"{med['total_s']:.2f}", f'{ratio:.2f}x', int(med['hlo_instructions']),
-                   int(med['kernels'])])
+                   f"{med['total_s']:.2f}", f'{ratio:.2f}x', f"{med['lower_cpu_s']:.2f}",
+                   f"{med['compile_cpu_s']:.2f}", f'{cpu_ratio:.2f}x',
+                   int(med['hlo_instructions']), int(med['kernels'])])
   header = ['step', 'optimizer', 'trace + lower (s)', 'compile (s)', 'total (s)',
-            'vs adamw', 'HLO instructions', 'kernels']
+            'vs adamw', 'trace + lower, CPU (s)', 'compile, CPU (s)', 'vs adamw, CPU',
+            'HLO instructions', 'kernels']
   table = _common.markdown_table(header, rows)
   m = _common.machine()
-  text = (f'{table}\n\nmedian of {args.rounds} interleaved rounds; '
-          f'{_common.machine_line(m)}\n\n`{_common.command()}`\n')
+  load = _common.load_average()
+  text = (f'{table}\n\nmedian of {args.rounds} interleaved rounds, a fresh process per '
+          f'sample; {_common.machine_line(m)}; load average before / after '
+          f'{load_before[0]:.1f} / {load[0]:.1f}\n\n`{_common.command()}`\n')
   print(text)
   out = _common.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   _common.write_json(out.with_suffix('.json'),
-                     {'command': _common.command(), 'machine': m, 'results': results})
+                     {'command': _common.command(), 'machine': m, 'fresh_process': True,
+                      'load_average_before': load_before, 'load_average_after': load,
+                      'results': results})
   out.with_suffix('.md').write_text(text)
   _plot(results, out.with_suffix('.png'))
 
@@ -196,16 +232,17 @@ def _plot(results: dict[str, Any], path: Any) -> None:
   import matplotlib.pyplot as plt
 
   steps = list(results)
-  fig, axes = plt.subplots(1, len(steps), figsize=(5 * len(steps), 3.5), squeeze=False)
+  fig, axes = plt.subplots(1, len(steps), figsize=(7 * len(steps), 4), squeeze=False)
   for ax, which in zip(axes[0], steps):
     names = list(results[which])
-    vals = [results[which][n]['total_s'] for n in names]
-    ax.bar([LABELS[n] for n in names], vals, color=['0.5', 'C0', 'C1'][:len(names)])
+    vals = [results[which][n]['total_cpu_s'] for n in names]
+    ax.bar([LABELS[n] for n in names], vals, color=['0.5', 'C0', 'C2', 'C3', 'C1'][:len(names)])
     for i, n in enumerate(names):
-      ax.text(i, vals[i], f"{results[which][n]['ratio_vs_adamw']:.2f}x", ha='center',
+      ax.text(i, vals[i], f"{results[which][n]['cpu_ratio_vs_adamw']:.2f}x", ha='center',
               va='bottom')
-    ax.set_title(f'{which}: lower + compile (s)')
-    ax.tick_params(axis='x', labelsize=8)
+    ax.set_title(f'{which}: trace + lower + compile, CPU time (s)')
+    ax.set_ylim(0, 1.12 * max(vals))  # room for the ratio above the tallest bar
+    ax.tick_params(axis='x', labelsize=7, labelrotation=20)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 

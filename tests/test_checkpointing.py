@@ -480,6 +480,12 @@ def test_plain_orbax_restores_a_target_with_fewer_leaves_silently(tmp_path):
   assert jax.tree.structure(restored) == jax.tree.structure(target)
   metadata = ocp.StandardCheckpointer().metadata(os.path.abspath(tmp_path / 'c'))
   assert any('(mu, v)' in line for line in sj.checkpoint_mismatches(target, metadata))
+  # The other way round, too: the target's array slot comes back None.
+  checkpointing.save_checkpoint(tmp_path / 'p', {'params': params,
+                                                 'opt_state': SKEWADAM.init(params)})
+  restored = ocp.StandardCheckpointer().restore(os.path.abspath(tmp_path / 'p'),
+                                                _target(ADAM_ROUTER, params))
+  assert restored['opt_state'][0].mu['blocks']['1']['moe']['router']['kernel'] is None
 
 
 def test_restoring_a_target_with_fewer_leaves_names_what_differs(tmp_path):

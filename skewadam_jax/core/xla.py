@@ -16,10 +16,10 @@ traces both branches into a conditional at every call site (+1 s of tracing on a
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence, TypeVar
 
 import jax
-from jax.extend.core import Primitive
 from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.interpreters import mlir
@@ -32,36 +32,46 @@ def _identity_lowering(ctx: Any, *args: Any) -> Sequence[Any]:
   return list(args)
 
 
-_barrier_p = Primitive('skewadam_cpu_barrier')
-_barrier_p.multiple_results = True
-_barrier_p.def_impl(lambda *xs: list(xs))
-_barrier_p.def_abstract_eval(lambda *avals: list(avals))
-mlir.register_lowering(_barrier_p, _identity_lowering)
-mlir.register_lowering(
-    _barrier_p, mlir.lower_fun(lambda *xs: list(jax.lax.optimization_barrier(xs)),
-                               multiple_results=True), platform='cpu')
-batching.primitive_batchers[_barrier_p] = lambda args, dims: (_barrier_p.bind(*args), dims)
-ad.primitive_jvps[_barrier_p] = lambda primals, tangents: (_barrier_p.bind(*primals),
-                                                           list(tangents))
+@functools.cache
+def _primitives() -> tuple[Any, Any]:
+  """The two primitives, made and registered when the first step is traced.
 
-_exact_f32_p = Primitive('skewadam_cpu_fusion_boundary')
-_exact_f32_p.def_impl(lambda x: x)
-_exact_f32_p.def_abstract_eval(lambda aval: aval)
-mlir.register_lowering(_exact_f32_p, lambda ctx, x: [x])
-mlir.register_lowering(
-    _exact_f32_p, mlir.lower_fun(
-        lambda x: jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23),
-        multiple_results=False), platform='cpu')
-batching.primitive_batchers[_exact_f32_p] = lambda args, dims: (_exact_f32_p.bind(*args),
-                                                                dims[0])
-ad.primitive_jvps[_exact_f32_p] = lambda primals, tangents: (_exact_f32_p.bind(*primals),
-                                                             tangents[0])
+  Not at import: `jax.extend` imports all of its submodules, Pallas among them, which
+  made up about half of what `import skewadam_jax` added to `import jax, optax`.
+  """
+  from jax.extend.core import Primitive
+
+  barrier_p = Primitive('skewadam_cpu_barrier')
+  barrier_p.multiple_results = True
+  barrier_p.def_impl(lambda *xs: list(xs))
+  barrier_p.def_abstract_eval(lambda *avals: list(avals))
+  mlir.register_lowering(barrier_p, _identity_lowering)
+  mlir.register_lowering(
+      barrier_p, mlir.lower_fun(lambda *xs: list(jax.lax.optimization_barrier(xs)),
+                                multiple_results=True), platform='cpu')
+  batching.primitive_batchers[barrier_p] = lambda args, dims: (barrier_p.bind(*args), dims)
+  ad.primitive_jvps[barrier_p] = lambda primals, tangents: (barrier_p.bind(*primals),
+                                                            list(tangents))
+
+  exact_f32_p = Primitive('skewadam_cpu_fusion_boundary')
+  exact_f32_p.def_impl(lambda x: x)
+  exact_f32_p.def_abstract_eval(lambda aval: aval)
+  mlir.register_lowering(exact_f32_p, lambda ctx, x: [x])
+  mlir.register_lowering(
+      exact_f32_p, mlir.lower_fun(
+          lambda x: jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23),
+          multiple_results=False), platform='cpu')
+  batching.primitive_batchers[exact_f32_p] = lambda args, dims: (exact_f32_p.bind(*args),
+                                                                 dims[0])
+  ad.primitive_jvps[exact_f32_p] = lambda primals, tangents: (exact_f32_p.bind(*primals),
+                                                              tangents[0])
+  return barrier_p, exact_f32_p
 
 
 def cpu_barrier(tree: T) -> T:
   """`jax.lax.optimization_barrier(tree)` on the CPU, `tree` unchanged elsewhere."""
   leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(treedef, _barrier_p.bind(*leaves))
+  return jax.tree.unflatten(treedef, _primitives()[0].bind(*leaves))
 
 
 def cpu_fusion_boundary(x: jax.Array) -> jax.Array:
@@ -73,4 +83,4 @@ def cpu_fusion_boundary(x: jax.Array) -> jax.Array:
   `reduce_precision` to float32's own exponent and mantissa widths is an exact identity
   that the fused kernel cannot contain, so it does.
   """
-  return _exact_f32_p.bind(x)
+  return _primitives()[1].bind(x)

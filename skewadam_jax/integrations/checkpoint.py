@@ -108,9 +108,10 @@ def check_checkpoint_matches(target: Any, metadata: Any, *, source: str = 'the c
 
   Call it before `restore`: it turns a checkpoint written by another optimizer (or
   tier policy, labels, group size, state dtype) into an error that says which, rather
-  than Orbax's tree-structure error and its `partial_restore=True` hint, or, when the
-  target has fewer leaves than the checkpoint (a tier that keeps fewer slots), rather
-  than Orbax's silent restore of the target's leaves only.
+  than Orbax's tree-structure error and its `partial_restore=True` hint, or, where a
+  state slot is `None` on one side and an array on the other (a tier that keeps other
+  slots), rather than Orbax's silent restore (the checkpoint's array dropped, or `None`
+  where the optimizer wants an array).
 
   Args:
     target: the restore target (see `checkpoint_mismatches`).

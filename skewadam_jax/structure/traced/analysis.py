@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
-from jax.extend import core as jex_core
+from skewadam_jax.core.lazy import jex_core
 import numpy as np
 
 from skewadam_jax.structure.traced import info as _info

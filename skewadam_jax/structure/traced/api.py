@@ -13,7 +13,7 @@ from typing import Any, Callable
 import warnings
 
 import jax
-from jax.extend import core as jex_core
+from skewadam_jax.core.lazy import jex_core
 import numpy as np
 
 from skewadam_jax.core import tree as _tree

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from jax.extend import core as jex_core
+from skewadam_jax.core.lazy import jex_core
 import numpy as np
 
 from skewadam_jax.structure.traced import info as _info

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from jax.extend import core as jex_core
+from skewadam_jax.core.lazy import jex_core
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info

@@ -85,10 +85,10 @@ def no_rule(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   sub = sub_jaxpr(eqn)
   if sub is not None:
     return an.run(sub[0], ins, sub[1])
-  return an.depend(eqn, ins, unseen(an, eqn, ins))
+  return an.depend(eqn, ins, unreadable(an, eqn, ins))
 
 
-def unseen(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def unreadable(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """Records the leaves whose flow crosses an equation no rule can read (for the
   warning and the undecided reasons); its outputs carry no parameter axis."""
   prim, line = eqn.primitive.name, an.line(eqn)

@@ -46,7 +46,7 @@ COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge'})
 def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """Each output axis joins the operands' axes of the same length at its position."""
   if not _info.elementwise_shapes(eqn):  # a bitcast to another width: no rule reads it
-    return _calls.unseen(an, eqn, ins)
+    return _calls.unreadable(an, eqn, ins)
   prim = eqn.primitive.name
   shape = _info.shape_of(eqn.outvars[0])
   shapes = [_info.shape_of(v) for v in eqn.invars]

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 
@@ -100,34 +100,10 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
     else:
       tier = _results.BACKBONE
       notes.insert(0, 'dense')
-      if not used[k]:
-        undecided[path] = 'fn never reads it'
-      elif k in candidates:
-        d = analysis.decision(min(candidates[k]))
-        if d.unclear:
-          undecided[path] = f'produces the scores of {d.primitive}, whose {d.unclear}'
-        else:
-          undecided[path] = (f'produces the logits of {d.primitive} over {d.num_experts} '
-                             'that dispatches no parameter: not a router?')
-      elif k in analysis.opaque:
-        undecided[path] = ('reaches ' + ', '.join(sorted(analysis.opaque[k])) +
-                           ', which the analysis does not see into')
-      elif k in blind:
-        undecided[path] = (f'feeds {blind[k]}, a selection among values computed from '
-                           'parameters that makes no routing decision (no expert axis '
-                           'can be told)')
-      elif units:
-        d = analysis.decision(min(gated[k]))
-        ids = ', '.join(sorted('?' if v is None else str(v) for v in units))
-        undecided[path] = (f'reaches the outputs only through masks of {d.primitive}\'s '
-                           f'expert ids (ids {ids}): which unit it is cannot be told')
-      elif k in analysis.unclear:
-        undecided[path] = analysis.unclear[k]
-      elif k in lost:
-        a, d = lost[k]
-        undecided[path] = (f'axis {a} (E={shape[a]}) meets values routed by {d.primitive} '
-                           f'over E={d.num_experts} experts, which dispatches no parameter '
-                           'the analysis can see: a bank whose expert axis it lost?')
+      why = _why_undecided(analysis, k, shape, used[k], candidates, blind, lost, units,
+                           gated)
+      if why:
+        undecided[path] = why
     if pieces:
       notes.append(f'axis {_info.axis_list(pieces)} taken apart into single pieces (separate '
                    'matrices)')
@@ -157,6 +133,42 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
                    batch_axes=jax.tree_util.tree_unflatten(treedef, batch_axes),
                    leaves=tuple(rows), decisions=tuple(decisions), undecided=undecided)
 
+
+
+def _why_undecided(analysis: _analysis.Analysis, k: int, shape: tuple[int, ...], used: bool,
+                   candidates: dict[int, set[int]], blind: dict[int, str],
+                   lost: dict[int, tuple[int, _analysis.Decision]],
+                   units: set[Optional[int]], gated: dict[int, dict[int, set[Optional[int]]]]
+                   ) -> Optional[str]:
+  """Why a leaf labelled backbone may be wrong (None: it is dense, as far as the
+  analysis can see)."""
+  if not used:
+    return 'fn never reads it'
+  if k in candidates:
+    d = analysis.decision(min(candidates[k]))
+    if d.unclear:
+      return f'produces the scores of {d.primitive}, whose {d.unclear}'
+    return (f'produces the logits of {d.primitive} over {d.num_experts} that dispatches '
+            'no parameter: not a router?')
+  if k in analysis.opaque:
+    return ('reaches ' + ', '.join(sorted(analysis.opaque[k])) +
+            ', which the analysis does not see into')
+  if k in blind:
+    return (f'feeds {blind[k]}, a selection among values computed from parameters that '
+            'makes no routing decision (no expert axis can be told)')
+  if units:
+    d = analysis.decision(min(gated[k]))
+    ids = ', '.join(sorted('?' if v is None else str(v) for v in units))
+    return (f'reaches the outputs only through masks of {d.primitive}\'s expert ids '
+            f'(ids {ids}): which unit it is cannot be told')
+  if k in analysis.unclear:
+    return analysis.unclear[k]
+  if k in lost:
+    a, d = lost[k]
+    return (f'axis {a} (E={shape[a]}) meets values routed by {d.primitive} over '
+            f'E={d.num_experts} experts, which dispatches no parameter the analysis can '
+            'see: a bank whose expert axis it lost?')
+  return None
 
 
 def _role(analysis: _analysis.Analysis, k: int, tier: str, ndim: int) -> tuple[str, str]:

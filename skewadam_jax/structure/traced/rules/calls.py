@@ -85,6 +85,12 @@ def no_rule(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   sub = sub_jaxpr(eqn)
   if sub is not None:
     return an.run(sub[0], ins, sub[1])
+  return an.depend(eqn, ins, unreadable(an, eqn, ins))
+
+
+def unreadable(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """Records the leaves whose flow crosses an equation no rule can read (for the
+  warning and the undecided reasons); its outputs carry no parameter axis."""
   prim, line = eqn.primitive.name, an.line(eqn)
   leaves = {leaf for x in ins for t in x.axes for leaf, _ in _info.params_of(t)}
   leaves |= {leaf for x in ins for leaf in x.deps}
@@ -92,5 +98,4 @@ def no_rule(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   for leaf in leaves:
     an.opaque.setdefault(leaf, set()).add(f'{prim} (at {line}; no rule)')
   data, routed = _info.common(ins)
-  outs = [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]
-  return an.depend(eqn, ins, outs)
+  return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]

@@ -12,6 +12,7 @@ from typing import Any
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
+from skewadam_jax.structure.traced.rules import calls as _calls
 
 Info = _info.Info
 
@@ -44,8 +45,8 @@ COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge'})
 
 def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """Each output axis joins the operands' axes of the same length at its position."""
-  if not _info.elementwise_shapes(eqn):  # a bitcast to another width, a collective
-    return not_elementwise(an, eqn, ins)
+  if not _info.elementwise_shapes(eqn):  # a bitcast to another width: no rule reads it
+    return _calls.unreadable(an, eqn, ins)
   prim = eqn.primitive.name
   shape = _info.shape_of(eqn.outvars[0])
   shapes = [_info.shape_of(v) for v in eqn.invars]
@@ -84,13 +85,6 @@ def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
         if shape[b.iota] == e:  # a one-hot of the expert ids along the iota's axis
           axes[b.iota] = axes[b.iota] | {('e', a.eid)}
   return [Info(tuple(axes), data, routed, eid, iota, columns=columns) for _ in eqn.outvars]
-
-
-def not_elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
-  """Outputs of another shape than the operands': nothing known about their axes."""
-  del an
-  data, routed = _info.common(ins)
-  return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]
 
 
 def iota(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:

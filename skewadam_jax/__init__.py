@@ -33,6 +33,10 @@ from skewadam_jax.estimators.grouped import Grouped
 from skewadam_jax.estimators.orthogonal import Orthogonal
 from skewadam_jax.estimators.base import SecondMoment
 from skewadam_jax.estimators.base import Step
+# State codecs: a tier's momentum stored as blockwise low-bit codes (`Tier(mu_codec=...)`).
+from skewadam_jax.estimators.codec import Blockwise
+from skewadam_jax.estimators.codec import Coded
+from skewadam_jax.estimators.codec import StateCodec
 # Labels: which tier each parameter gets, and your own rules.
 from skewadam_jax.structure.labels import DEFAULT_RULES
 from skewadam_jax.structure.labels import DENSE_RULES
@@ -98,6 +102,10 @@ __all__ = (
     'Orthogonal',
     'SecondMoment',
     'Step',
+    # State codecs.
+    'Blockwise',
+    'Coded',
+    'StateCodec',
     # Labels, batch axes and structure: which tier and which batch axes each leaf gets.
     'DEFAULT_RULES',
     'DENSE_RULES',

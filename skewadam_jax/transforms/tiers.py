@@ -107,6 +107,24 @@ def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None) -> dict[str
   return {'mu': mu, **stats} if tier.momentum else stats
 
 
+def as_stored(stored: Any, expected: Any) -> Any:
+  """A coded momentum in the structure its codec made (`expected`, abstract).
+
+  `nnx.Optimizer` writes each new state back through `nnx.state`, which turns a pytree
+  held in a Variable (the codec's `Coded` NamedTuple) into an `nnx.State` of its fields;
+  the arrays are the same, so they are put back by field name (or in order).
+  """
+  if jax.tree.structure(stored) == jax.tree.structure(expected):
+    return stored
+  fields = getattr(type(expected), '_fields', None)
+  if fields is not None and isinstance(stored, Mapping) and set(stored) == set(fields):
+    return type(expected)(**{k: stored[k] for k in fields})
+  leaves = jax.tree.leaves(stored)
+  if len(leaves) == jax.tree.structure(expected).num_leaves:
+    return jax.tree.structure(expected).unflatten(leaves)
+  return stored  # the shape check names what differs
+
+
 @functools.lru_cache(maxsize=4096)
 def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str) -> Any:
   return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
@@ -158,6 +176,7 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
     except (ValueError, TypeError) as e:
       _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, None, e)
       raise
+    row = {**row, 'mu': as_stored(row['mu'], expected)}
     _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, {'mu': expected})
   present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
   try:
@@ -167,6 +186,8 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
     _checks.check_grad_fits_stats(path, shape, present, None, e)
     raise
   _checks.check_grad_fits_stats(path, shape, present, expected)
+  if tier.mu_codec is not None and tier.momentum:
+    present = {'mu': row['mu'], **present}
   return estimator, present
 
 
@@ -268,8 +289,9 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     for tier, path, g, p, row, a in zip(leaf_tiers, leaves.paths, leaves.arrays,
                                         _param_leaves(leaves, params), rows, axes):
       estimator, present = check_grad(tier, path, g, p, row, a)
+      mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
       out.append(update_leaf(tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps,
-                             path, g, row.get('mu'), present, t, bc2, a))
+                             path, g, mu, present, t, bc2, a))
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
         [new for _, new in out], FIELDS, specs_of(leaves, leaf_tiers, axes)))
 

@@ -19,7 +19,12 @@ so that codes and scales keep the parameter's rank. Bounds:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from pathlib import Path
+import subprocess
+import sys
 
 from flax import nnx
 from hypothesis import given, HealthCheck, settings
@@ -27,6 +32,7 @@ from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 import optax
 import pytest
 
@@ -35,6 +41,7 @@ import skewadam_jax as sj
 from skewadam_jax.estimators import codec as _codec
 from ulp import assert_within_ulp
 
+ROOT = Path(__file__).resolve().parents[1]
 FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
@@ -467,3 +474,120 @@ def test_nnx_optimizer_trains_with_coded_momentum():
   pure = getattr(nnx, 'as_pure', None) or nnx.pure
   codes = [x for x in jax.tree.leaves(pure(state)) if x.dtype == jnp.uint8]
   assert codes and all(isinstance(x, jax.Array) for x in codes)
+
+
+# ----------------------------------------------------------------------- what follows the codec
+
+
+def _abstract_moe():
+  return {'embed': jax.ShapeDtypeStruct((64, 16), jnp.float32),
+          'moe': {'router': jax.ShapeDtypeStruct((16, 4), jnp.float32),
+                  'experts': {'w1': jax.ShapeDtypeStruct((4, 16, 32), jnp.float32)}}}
+
+
+def _coded_tiers():
+  return {**sj.PUBLISHED_TIERS,
+          'backbone': sj.PUBLISHED_TIERS['backbone'].replace(mu_codec=sj.Blockwise(8, 16)),
+          'experts': sj.Tier(mu_codec=sj.Blockwise(4, 32))}
+
+
+def test_memory_report_and_label_table_count_codes_at_their_width_and_the_scales():
+  tx = sj.skewadam(1e-3, tiers=_coded_tiers())
+  params = _abstract_moe()
+  report = {t.tier: t.state_bytes for t in sj.memory_report(tx, params).tiers}
+  # backbone [64, 16]: 1,024 codes of 8 bits, 64 scales, factored 64 + 16 floats
+  # experts [4, 16, 32]: 2,048 codes of 4 bits (1,024 B), 64 scales, factored 4 (16 + 32)
+  # router [16, 4]: exact v
+  assert report == {'backbone': 1024 + 4 * 64 + 4 * 80, 'experts': 1024 + 4 * 64 + 4 * 192,
+                    'router': 4 * 64}
+  assert sj.optimizer_state_bytes(tx, params) == sum(report.values())
+  table = {r.path: r.state_bytes for r in sj.label_table(tx, params)}
+  assert table == {'embed': report['backbone'], 'moe/experts/w1': report['experts'],
+                   'moe/router': report['router']}
+
+
+def test_state_shardings_give_codes_and_scales_the_parameters_spec():
+  tx = sj.skewadam(1e-3, tiers=_coded_tiers())
+  specs = {'embed': P('data', None), 'moe': {'router': P(),
+                                             'experts': {'w1': P('expert', None, 'data')}}}
+  mu = sj.state_shardings(tx, _abstract_moe(), specs)[0].mu
+  assert mu['embed'] == sj.Coded(P('data', None), P('data', None))
+  assert mu['moe']['experts']['w1'] == sj.Coded(P('expert', None, 'data'),
+                                                P('expert', None, 'data'))
+  assert mu['moe']['router'] is None
+  # Whole blocks per shard: blocks of 32 along [.., 32] split in 2 do not fit.
+  mesh = jax.sharding.AbstractMesh((2, 2), ('expert', 'data'))
+  codec = sj.Blockwise(4, 32).for_leaf((4, 16, 32), (0,))
+  assert codec.specs(('expert', None, None), (4, 16, 32), mesh, 'w1') == sj.Coded(
+      P('expert', None, None), P('expert', None, None))
+  with pytest.raises(ValueError, match='w1 of shape \\(4, 16, 32\\) is sharded over mesh '
+                     "axis 'data' into 2 shards along axis 2"):
+    codec.specs(('expert', None, 'data'), (4, 16, 32), mesh, 'w1')
+
+
+def test_flax_boxes_of_a_coded_momentum_name_the_parameters_axes():
+  with nnx.use_eager_sharding(False):
+    params = nnx.State({
+        'embed': nnx.Param(jnp.zeros((64, 16)), out_sharding=('vocab', 'embed')),
+        'moe': {'router': nnx.Param(jnp.zeros((16, 4)), out_sharding=('embed', None)),
+                'experts': {'w1': nnx.Param(jnp.zeros((4, 16, 32)),
+                                            out_sharding=('expert', 'embed', 'mlp'))}}})
+  state = sj.skewadam(1e-3, tiers=_coded_tiers()).init(params)
+  w1 = state[0].mu['moe']['experts']['w1']
+  assert isinstance(w1, nnx.Param) and isinstance(w1.get_value(), sj.Coded)
+  # Codes and scales keep the parameter's rank: one box, the parameter's names for both
+  # (Flax's route gives the box one spec, a prefix of both arrays).
+  specs = nnx.get_partition_spec(state)[0]
+  assert specs.mu['moe']['experts']['w1'].get_value() == P('expert', 'embed', 'mlp')
+  assert specs.mu['embed'].get_value() == P('vocab', 'embed')
+  assert specs.v_row['moe']['experts']['w1'].get_value() == P('expert', 'embed')
+
+
+def test_checkpoint_mismatches_name_a_coded_momentum():
+  params = _abstract_moe()
+  plain = jax.eval_shape(sj.skewadam(1e-3).init, params)
+  coded = jax.eval_shape(sj.skewadam(1e-3, tiers=_coded_tiers()).init, params)
+  lines = sj.checkpoint_mismatches(coded, plain)
+  assert lines[0] == ('parameter embed: the checkpoint keeps its state in (mu, v_row, '
+                      'v_col), this optimizer in (mu (coded), v_row, v_col)')
+  other = {**_coded_tiers(), 'experts': sj.Tier(mu_codec=sj.Blockwise(4, 16))}
+  lines = sj.checkpoint_mismatches(
+      jax.eval_shape(sj.skewadam(1e-3, tiers=other).init, params), coded)
+  assert lines == ['shape differs at 0/mu/moe/experts/w1/scales: checkpoint (4, 16, 1), '
+                   "optimizer (4, 16, 2) (the momentum's codec differs: its bits or block "
+                   'size)']
+  assert sj.checkpoint_mismatches(coded, coded) == []
+
+
+@pytest.fixture(scope='module')
+def multi_device(tmp_path_factory):
+  out = tmp_path_factory.mktemp('codec')
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['PYTHONPATH'] = os.pathsep.join([str(ROOT), env.get('PYTHONPATH', '')])
+  proc = subprocess.run([sys.executable, str(ROOT / 'tests' / 'codec_runs.py'), str(out)],
+                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  results = json.loads((out / 'codec.json').read_text())
+  assert results['devices'] == 4
+  return results
+
+
+@pytest.mark.slow
+def test_sharded_training_with_coded_momentum_matches_one_device(multi_device):
+  # Every shard holds whole blocks, so the codes are the same; the factored statistics'
+  # sums, reduced across shards, move the params by float32 rounding only.
+  assert multi_device['sharded_vs_single_codes_differ'] == 0
+  assert multi_device['sharded_vs_single_params_max_diff'] < 1e-7
+  assert multi_device['explicit_vs_single_params_max_diff'] < 1e-7
+  assert multi_device['explicit_init_matches'] and multi_device['explicit_state_specs_kept']
+  assert multi_device['mu_specs'] == {'embed': [[None, 'data']] * 2,
+                                      'w1': [['expert', None, 'data']] * 2}
+  assert "sharded over mesh axis 'data' into 2 shards" in multi_device['straddle_error']
+
+
+@pytest.mark.slow
+def test_orbax_checkpoint_of_coded_momentum_resumes_bitwise(multi_device):
+  assert multi_device['restored_bitwise'] and multi_device['resume_bitwise']
+  assert "the momentum's codec differs" in multi_device['other_codec_error']

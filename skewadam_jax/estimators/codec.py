@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from skewadam_jax.core import checks as _checks
@@ -147,11 +148,21 @@ def _nearest(y: jax.Array, mids: np.ndarray, bits: int) -> jax.Array:
   the nearest table value, ties to the larger. A binary search of `bits` elementwise
   steps on the 2^bits - 1 thresholds: no [n, 2^bits] comparison is built."""
   mids = jnp.asarray(mids)
-  code = jnp.zeros(y.shape, jnp.int32)
+  code = jnp.zeros_like(y, dtype=jnp.int32)
   for k in reversed(range(bits)):
     candidate = code + (1 << k)
-    code = jnp.where(y >= mids[candidate - 1], candidate, code)
+    code = jnp.where(y >= _lookup(mids, candidate - 1), candidate, code)
   return code
+
+
+def _lookup(table: jax.Array, index: jax.Array) -> jax.Array:
+  """`table[index]` for a small replicated table, placed like `index` (under an Explicit
+  mesh a gather must name its output's sharding)."""
+  placed = _explicit_spec(index)
+  if placed is None:
+    return table[index]
+  return table.at[index].get(out_sharding=NamedSharding(
+      placed.mesh, PartitionSpec(*placed.entries)))
 
 
 # ------------------------------------------------------------------------------ geometry
@@ -199,6 +210,45 @@ def _split(shape: tuple[int, ...], extents: tuple[int, ...]) -> tuple[int, ...]:
   return tuple(d for n, e in zip(shape, extents) for d in (n // e, e))
 
 
+class _Placed(NamedTuple):
+  """Where an array lies under an Explicit mesh: the mesh and one spec entry per axis."""
+  mesh: Any
+  entries: tuple[Any, ...]
+
+
+def _explicit_spec(x: jax.Array) -> Optional[_Placed]:
+  """The mesh and spec of `x`'s type under an Explicit mesh, else None.
+
+  Under an Explicit mesh a reshape of a sharded axis must name its output's sharding.
+  Every reshape here splits an axis into (outer, inner) or merges them back, with whole
+  blocks (and bytes) per shard (`Blockwise.specs` checks it): the outer part keeps the
+  axis's sharding.
+  """
+  try:
+    sharding = jax.typeof(x).sharding
+  except (AttributeError, TypeError):
+    return None
+  spec, mesh = getattr(sharding, 'spec', None), getattr(sharding, 'mesh', None)
+  if spec is None or mesh is None:
+    return None
+  entries = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
+  return _Placed(mesh, entries) if any(e is not None for e in entries) else None
+
+
+def _reshape(x: jax.Array, shape: tuple[int, ...], placed: Optional[_Placed]) -> jax.Array:
+  """`x.reshape(shape)`, naming the output's sharding under an Explicit mesh."""
+  if placed is None:
+    return x.reshape(shape)
+  return jax.lax.reshape(x, shape, out_sharding=NamedSharding(
+      placed.mesh, PartitionSpec(*placed.entries)))
+
+
+def _outer(placed: Optional[_Placed]) -> Optional[_Placed]:
+  """The placement of each axis split into (outer, inner): the outer part keeps it."""
+  return None if placed is None else placed._replace(
+      entries=tuple(d for e in placed.entries for d in (e, None)))
+
+
 def pack_nibbles(codes: jax.Array, axis: int) -> jax.Array:
   """4-bit codes (uint8 < 16) packed two per byte along `axis`: element `2i` in the low
   nibble, `2i + 1` in the high one; an odd length gets a zero high nibble last."""
@@ -207,16 +257,21 @@ def pack_nibbles(codes: jax.Array, axis: int) -> jax.Array:
     pad = [(0, 0)] * codes.ndim
     pad[axis] = (0, 1)
     codes = jnp.pad(codes, pad)
-  low = jax.lax.slice_in_dim(codes, 0, None, 2, axis)
-  high = jax.lax.slice_in_dim(codes, 1, None, 2, axis)
+  spec = _explicit_spec(codes)
+  shape = codes.shape[:axis] + (codes.shape[axis] // 2, 2) + codes.shape[axis + 1:]
+  pairs = _reshape(codes, shape, None if spec is None else spec._replace(
+      entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
+  low = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
+  high = jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
   return low | (high << 4)
 
 
 def unpack_nibbles(packed: jax.Array, axis: int, n: int) -> jax.Array:
   """The `n` 4-bit codes along `axis` that `pack_nibbles` packed."""
+  spec = _explicit_spec(packed)
   pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
   shape = packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:]
-  return jax.lax.slice_in_dim(pairs.reshape(shape), 0, n, 1, axis)
+  return jax.lax.slice_in_dim(_reshape(pairs, shape, spec), 0, n, 1, axis)
 
 
 def _shards(entry: Any, mesh: Optional[Mesh]) -> int:
@@ -325,8 +380,9 @@ class Blockwise(StateCodec):
   def init(self, param: Any, path: str) -> Coded:
     codec = self._bound(tuple(param.shape), path)
     extents = codec._extents(path)
-    scales = jnp.zeros_like(param, dtype=jnp.float32).reshape(
-        _split(codec.shape, extents)).sum(axis=tuple(range(1, 2 * len(extents), 2)))
+    zeros = jnp.zeros_like(param, dtype=jnp.float32)
+    scales = _reshape(zeros, _split(codec.shape, extents), _outer(_explicit_spec(zeros))
+                      ).sum(axis=tuple(range(1, 2 * len(extents), 2)))
     codes = jnp.full_like(param, codec._code_of_zero(), dtype=jnp.uint8)
     if codec.bits == 4 and codec._pack_axis() is not None:
       codes = pack_nibbles(codes, codec._pack_axis())
@@ -334,7 +390,8 @@ class Blockwise(StateCodec):
 
   def encode(self, x: jax.Array) -> Coded:
     extents = self._bound(tuple(x.shape), 'leaf')._extents()
-    blocks = x.astype(jnp.float32).reshape(_split(x.shape, extents))
+    spec = _explicit_spec(x)
+    blocks = _reshape(x.astype(jnp.float32), _split(x.shape, extents), _outer(spec))
     inner = tuple(range(1, 2 * x.ndim, 2))
     absmax = jnp.max(jnp.abs(blocks), axis=inner, keepdims=True)
     y = blocks / jnp.where(absmax > 0, absmax, 1.0)
@@ -343,11 +400,11 @@ class Blockwise(StateCodec):
       codes = (jnp.round(y * q) + q).astype(jnp.uint8)
     else:
       codes = _nearest(y, _midpoints(dynamic_map(self.bits)), self.bits).astype(jnp.uint8)
-    codes = codes.reshape(x.shape)
+    codes = _reshape(codes, tuple(x.shape), spec)
     axis = self._bound(tuple(x.shape), 'leaf')._pack_axis()
     if self.bits == 4 and axis is not None:
       codes = pack_nibbles(codes, axis)
-    return Coded(codes, absmax.reshape(absmax.shape[::2] if x.ndim else ()))
+    return Coded(codes, _reshape(absmax, absmax.shape[::2] if x.ndim else (), spec))
 
   def decode(self, stored: Coded) -> jax.Array:
     if self.shape is None:
@@ -358,15 +415,16 @@ class Blockwise(StateCodec):
     if self.bits == 4 and axis is not None:
       codes = unpack_nibbles(codes, axis, self.shape[axis])
     extents = self._extents()
-    split = _split(self.shape, extents)
-    codes = codes.reshape(split)
-    scales = scales.reshape(tuple(d for n, e in zip(self.shape, extents) for d in (n // e, 1)))
+    spec = _explicit_spec(codes)
+    codes = _reshape(codes, _split(self.shape, extents), _outer(spec))
+    scales = _reshape(scales, tuple(d for n, e in zip(self.shape, extents)
+                                    for d in (n // e, 1)), _outer(spec))
     if self.mapping == 'linear':
       q = 2**(self.bits - 1) - 1
       values = (codes.astype(jnp.float32) - q) * (scales / q)
     else:
-      values = jnp.asarray(dynamic_map(self.bits))[codes.astype(jnp.int32)] * scales
-    return values.reshape(self.shape)
+      values = _lookup(jnp.asarray(dynamic_map(self.bits)), codes.astype(jnp.int32)) * scales
+    return _reshape(values, self.shape, spec)
 
   def specs(self, spec: _base.Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Coded:
@@ -381,7 +439,7 @@ class Blockwise(StateCodec):
         continue
       per_shard = n // shards if n % shards == 0 else None
       if per_shard is None or per_shard % e or (axis == pack and per_shard % 2):
-        need = f'a multiple of {e}' + (' and even' if axis == pack else '')
+        need = f'a multiple of {e}' + (' (and of 2: whole bytes)' if axis == pack else '')
         raise ValueError(
             f'Parameter {path} of shape {tuple(shape)} is sharded over mesh axis '
             f'{spec[axis]!r} into {shards} shards along axis {axis}, but its {codec.name} '

@@ -21,6 +21,7 @@ from skewadam_jax.transforms.tiers import scale_by_tiers
 from skewadam_jax.transforms.presets import PUBLISHED_TIERS
 from skewadam_jax.transforms.presets import ADAM_EPS_TIERS
 from skewadam_jax.transforms.presets import ADAM_ROUTER_TIERS
+from skewadam_jax.transforms.presets import MUON_CODED_TIERS
 from skewadam_jax.transforms.presets import MUON_TIERS
 from skewadam_jax.transforms.tier import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
@@ -89,6 +90,7 @@ __all__ = (
     # Tiers: the policies and one tier's configuration.
     'ADAM_EPS_TIERS',
     'ADAM_ROUTER_TIERS',
+    'MUON_CODED_TIERS',
     'MUON_TIERS',
     'PUBLISHED_TIERS',
     'Tier',

@@ -54,6 +54,11 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     'skewadam': lambda: sj.skewadam(LR, weight_decay=WD),
     'adampm': lambda: sj.adampm(LR, weight_decay=WD, group_size=8),
     'skewadam-muon': lambda: sj.skewadam(LR, weight_decay=WD, tiers=sj.MUON_TIERS),
+    # MUON_CODED_TIERS and the same policy with fp32 momentum: the codec's cost.
+    'skewadam-muon-coded': lambda: sj.skewadam(LR, weight_decay=WD,
+                                               tiers=sj.MUON_CODED_TIERS),
+    'skewadam-muon-expert-momentum': lambda: sj.skewadam(LR, weight_decay=WD, tiers={
+        name: tier.replace(mu_codec=None) for name, tier in sj.MUON_CODED_TIERS.items()}),
 }
 # With --state-dtype float32, the optimizers whose state is initialised on a float32
 # view of the parameters; their state then stays float32 through updates with bf16
@@ -68,6 +73,8 @@ LABELS = {
     'skewadam': 'SkewAdam (published tiers)',
     'adampm': 'AdamPM (s = 8)',
     'skewadam-muon': 'SkewAdam (MUON_TIERS)',
+    'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS, 8-bit momentum)',
+    'skewadam-muon-expert-momentum': 'SkewAdam (MUON_CODED_TIERS with fp32 momentum)',
 }
 
 

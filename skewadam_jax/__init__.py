@@ -21,6 +21,7 @@ from skewadam_jax.transforms.tiers import scale_by_tiers
 from skewadam_jax.transforms.presets import PUBLISHED_TIERS
 from skewadam_jax.transforms.presets import ADAM_EPS_TIERS
 from skewadam_jax.transforms.presets import ADAM_ROUTER_TIERS
+from skewadam_jax.transforms.presets import MUON_CODED_TIERS
 from skewadam_jax.transforms.presets import MUON_TIERS
 from skewadam_jax.transforms.tier import Tier
 # State types, to inspect or checkpoint the state (`state.v_row`, `tree_get`).
@@ -33,6 +34,10 @@ from skewadam_jax.estimators.grouped import Grouped
 from skewadam_jax.estimators.orthogonal import Orthogonal
 from skewadam_jax.estimators.base import SecondMoment
 from skewadam_jax.estimators.base import Step
+# State codecs: a tier's momentum stored as blockwise low-bit codes (`Tier(mu_codec=...)`).
+from skewadam_jax.estimators.codec import Blockwise
+from skewadam_jax.estimators.codec import Coded
+from skewadam_jax.estimators.codec import StateCodec
 # Labels: which tier each parameter gets, and your own rules.
 from skewadam_jax.structure.rules import DEFAULT_RULES
 from skewadam_jax.structure.rules import DENSE_RULES
@@ -85,6 +90,7 @@ __all__ = (
     # Tiers: the policies and one tier's configuration.
     'ADAM_EPS_TIERS',
     'ADAM_ROUTER_TIERS',
+    'MUON_CODED_TIERS',
     'MUON_TIERS',
     'PUBLISHED_TIERS',
     'Tier',
@@ -98,6 +104,10 @@ __all__ = (
     'Orthogonal',
     'SecondMoment',
     'Step',
+    # State codecs.
+    'Blockwise',
+    'Coded',
+    'StateCodec',
     # Labels, batch axes and structure: which tier and which batch axes each leaf gets.
     'DEFAULT_RULES',
     'DENSE_RULES',

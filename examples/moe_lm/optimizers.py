@@ -32,6 +32,11 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-expert-momentum`: a diagnostic of the gap to Muon: `sj.MUON_TIERS` with
   the experts as Muon treats them (fp32 Nesterov momentum, b1 0.95, orthogonalised per
   expert), for an fp32 momentum of every expert matrix (above 1/10 of AdamW's state).
+* `skewadam-muon-coded`: `sj.MUON_CODED_TIERS`: the same expert momentum, it and the
+  hidden tier's momentum stored as 8-bit linear blockwise codes (blocks of 256).
+* `skewadam-muon-coded-4bit`: the same with 4-bit linear codes in blocks of 64.
+* `skewadam-muon-coded-4bit-experts`: 4-bit codes (blocks of 64) on the experts only,
+  8-bit on the hidden tier.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
   pooled along the second-to-last axis: the input axis of `[in, out]` kernels and
   `[E, in, out]` expert banks; 1-D leaves along their only axis), `adafactor`
@@ -75,7 +80,8 @@ OPTIMIZERS = (
     'skewadam-adam-eps-router-momentum-exact-backbone',
     'skewadam-floor-backbone-router-momentum', 'skewadam-router-adam-eps',
     'skewadam-router-adam-eps-momentum', 'skewadam-muon', 'skewadam-muon-orthogonal-experts',
-    'skewadam-muon-expert-momentum',
+    'skewadam-muon-expert-momentum', 'skewadam-muon-coded', 'skewadam-muon-coded-4bit',
+    'skewadam-muon-coded-4bit-experts',
 )
 DEFAULT_LR = {
     'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adampm-input-axis': ADAM_LR, 'adamw': ADAM_LR,
@@ -88,7 +94,8 @@ DEFAULT_LR = {
     'skewadam-floor-backbone-router-momentum': ADAM_LR,
     'skewadam-router-adam-eps': ADAM_LR, 'skewadam-router-adam-eps-momentum': ADAM_LR,
     'skewadam-muon': ADAM_LR, 'skewadam-muon-orthogonal-experts': ADAM_LR,
-    'skewadam-muon-expert-momentum': ADAM_LR,
+    'skewadam-muon-expert-momentum': ADAM_LR, 'skewadam-muon-coded': ADAM_LR,
+    'skewadam-muon-coded-4bit': ADAM_LR, 'skewadam-muon-coded-4bit-experts': ADAM_LR,
 }
 # The best peak lr of the main job's two optimizers in `benchmarks/quality.py`'s
 # 2000-step sweep (the same lr grid, refinement and seeds for every optimizer; its
@@ -126,6 +133,13 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   if name == 'skewadam-muon-expert-momentum':  # the experts as Muon treats them
     return dict(sj.MUON_TIERS, experts=sj.MUON_TIERS['hidden'].replace(
         second_moment=sj.Orthogonal(fallback=sj.Factored())))
+  if name == 'skewadam-muon-coded':  # the shipped `sj.MUON_CODED_TIERS`
+    return dict(sj.MUON_CODED_TIERS)
+  if name in ('skewadam-muon-coded-4bit', 'skewadam-muon-coded-4bit-experts'):
+    coded = sj.MUON_CODED_TIERS
+    where = ('experts',) if name.endswith('-experts') else ('hidden', 'experts')
+    return dict(coded, **{k: coded[k].replace(mu_codec=sj.Blockwise(4, 64, 'linear'))
+                          for k in where})
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':

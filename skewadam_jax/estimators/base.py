@@ -240,9 +240,11 @@ def recording_specs() -> Iterator[dict[int, Any]]:
 
 
 def record_leaf(path: str, estimator: SecondMoment, shape: tuple[int, ...], mu: Any,
-                stats: Stats) -> None:
-  """Records the specs of a leaf's momentum (the parameter's) and of its statistics."""
-  record_specs(path, mu, lambda spec, mesh: PartitionSpec(*spec))
+                stats: Stats, mu_specs: Optional[Callable[[Spec, Optional[Mesh]], Any]] = None
+                ) -> None:
+  """Records the specs of a leaf's momentum (the parameter's, or `mu_specs(spec, mesh)`
+  for a momentum stored as a pytree by a codec) and of its statistics."""
+  record_specs(path, mu, mu_specs or (lambda spec, mesh: PartitionSpec(*spec)))
   for key, tree in stats.items():
     record_specs(path, tree, lambda spec, mesh, key=key: estimator.specs(spec, shape, mesh,
                                                                           path)[key])

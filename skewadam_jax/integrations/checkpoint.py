@@ -87,12 +87,15 @@ def checkpoint_mismatches(target: Any, metadata: Any) -> list[str]:
     saved = theirs.get(path)
     if saved is None:
       continue
+    # A coded momentum's shapes change with the codec's bits or block size.
+    codec = (' (the momentum\'s codec differs: its bits or block size)' if leaf.coded
+             else '')
     if leaf.shape != saved.shape:
       differs.append(f'shape differs at {leaf.name}: checkpoint {saved.shape}, optimizer '
-                     f'{leaf.shape}')
+                     f'{leaf.shape}{codec}')
     elif leaf.dtype != saved.dtype:
       differs.append(f'dtype differs at {leaf.name}: checkpoint {saved.dtype}, optimizer '
-                     f'{leaf.dtype}')
+                     f'{leaf.dtype}{codec}')
   lines += _saved.listed(differs)
   if lines and _relayout.same_in_another_layout(target, metadata):
     lines.insert(0, 'the checkpoint holds this state in another layout (the tiers under '

@@ -13,6 +13,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from skewadam_jax.estimators import codec as _codec
+
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.core import tree as _tree
 
@@ -50,12 +52,29 @@ class Leaf:
     return None
 
   @property
+  def coded(self) -> bool:
+    """Whether the leaf is an array of a coded momentum (`mu/<param>/codes`, `.../scales`
+    of a `Tier(mu_codec=...)`)."""
+    field = self.field
+    return (field is not None and field[1] == 'mu' and field[0] + 2 < len(self.path)
+            and self.path[-1] in _codec.Coded._fields)
+
+  @property
+  def field_label(self) -> Optional[str]:
+    """The field's name in messages: `mu (coded)` for a coded momentum."""
+    field = self.field
+    if field is None:
+      return None
+    return f'{field[1]} (coded)' if self.coded else field[1]
+
+  @property
   def param(self) -> Optional[str]:
-    """The parameter a state leaf belongs to (the path after its field), if any."""
+    """The parameter a state leaf belongs to (the path after its field, without a coded
+    momentum's `codes`/`scales`), if any."""
     field = self.field
     if field is None or field[0] + 1 >= len(self.path):
       return None
-    return '/'.join(self.path[field[0] + 1:])
+    return '/'.join(self.path[field[0] + 1:len(self.path) - int(self.coded)])
 
 
 def dtype_of(x: Any) -> Optional[np.dtype]:
@@ -107,10 +126,10 @@ def placement(leaves: list[Leaf]) -> str:
   with `optax.partition`: what one parameter's state holds, and where."""
   by_tier: dict[Optional[str], list[str]] = {}
   for leaf in leaves:
-    by_tier.setdefault(leaf.tier, []).append(leaf.field[1])
+    by_tier.setdefault(leaf.tier, []).append(leaf.field_label)
   parts = []
   for tier, fields in sorted(by_tier.items(), key=lambda kv: str(kv[0])):
-    fields = sorted(set(fields), key=STATE_FIELDS.index)
+    fields = sorted(set(fields), key=lambda f: (STATE_FIELDS.index(f.split()[0]), f))
     where = f'tier {tier!r} ' if tier is not None else ''
     parts.append(f'{where}({", ".join(fields)})')
   return ' and '.join(parts)

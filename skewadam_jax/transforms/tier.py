@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from typing import Any, Optional, Union
 
@@ -22,6 +23,7 @@ from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.estimators import codec as _codec
 
 SECOND_MOMENTS = ('exact', 'factored', 'grouped', 'orthogonal')
 EPS_MODES = ('floor', 'adam')
@@ -91,6 +93,16 @@ class Tier:
       `x = b1 m / (1 - b1^(t+1)) + (1 - b1) g / bc1`.
     b1: this tier's momentum decay rate, or None for the transform's `b1` (Muon's
       tiers use 0.95 beside Adam's 0.9).
+    mu_codec: how the momentum is stored between steps: None (an array of `mu_dtype`)
+      or a state codec, e.g. `sj.Blockwise(bits=8, block_size=256)` (uint8 codes and
+      one float32 scale per block; `mu_dtype` must then stay float32, the dtype the
+      step decodes to). The step decodes the momentum, updates it in float32, computes
+      the update from it and encodes it again (see `skewadam_jax/estimators/codec.py`).
+    lr_scale: a static factor on this tier's update (after the clip, before weight
+      decay and the learning rate): `p <- p - lr (lr_scale u + wd p)`. It lets
+      Adam-like tiers run at a fraction of the learning rate of orthogonalised ones
+      beside them (as `optax.contrib.muon`'s `adam_learning_rate`); weight decay is not
+      scaled.
 
   Memory: every estimator keeps the step free of full-size temporaries, in any layout
   of batch axes, except a `'grouped'` tier with a clip whose groups do not divide the
@@ -118,6 +130,8 @@ class Tier:
   apply_weight_decay: bool = True
   nesterov: bool = False
   b1: Optional[float] = None
+  mu_codec: Optional[_codec.StateCodec] = None
+  lr_scale: float = 1.0
 
   def __post_init__(self):
     if not isinstance(self.momentum, bool):
@@ -153,6 +167,21 @@ class Tier:
       if not _checks.is_concrete_number(self.b1):
         raise TypeError(f'`b1` of a Tier must be a float in [0, 1) or None, got {self.b1!r}.')
       _checks.check_beta('b1', self.b1)
+    if self.mu_codec is not None:
+      if not isinstance(self.mu_codec, _codec.StateCodec):
+        raise TypeError('`mu_codec` must be a state codec (e.g. sj.Blockwise(bits=8, '
+                        f'block_size=256)) or None, got {self.mu_codec!r}.')
+      if not self.momentum:
+        raise ValueError('`mu_codec` stores the momentum, which a tier with '
+                         '`momentum=False` does not keep: set `momentum=True` or drop it.')
+      if mu_dtype != jnp.float32:
+        raise ValueError(f'`mu_dtype`={mu_dtype} and `mu_codec`={self.mu_codec!r} both say '
+                         'how the momentum is stored: with a codec, leave `mu_dtype` at '
+                         'float32 (the dtype the step decodes to).')
+    if not (_checks.is_concrete_number(self.lr_scale) and math.isfinite(float(self.lr_scale))
+            and float(self.lr_scale) > 0):
+      raise ValueError(f'`lr_scale` must be a static positive float, got {self.lr_scale!r}.')
+    object.__setattr__(self, 'lr_scale', float(self.lr_scale))
 
   def replace(self, **changes: Any) -> Tier:
     """A copy of this tier with some options changed."""

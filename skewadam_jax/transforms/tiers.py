@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import codec as _codec
 from skewadam_jax.estimators import exact as _exact
 from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.estimators import grouped as _grouped
@@ -43,7 +44,10 @@ class TieredAdamState(NamedTuple):
   groups of an `optax.partition` hold `optax.MaskedNode`, as in any optax state.
   """
   count: jax.Array  # shape=(), int32: number of updates applied so far (every tier).
-  mu: optax.Updates  # like params, dtype tier.mu_dtype; None without momentum.
+  # like params, dtype tier.mu_dtype; with tier.mu_codec its stored pytree per param
+  # (sj.Blockwise: Coded(codes uint8, scales float32), the param's rank); None without
+  # momentum.
+  mu: optax.Updates
   v_row: optax.Updates  # factored leaves: shape [..., R] float32; else None.
   v_col: optax.Updates  # factored leaves: shape [..., C] float32; else None.
   v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else None.
@@ -71,17 +75,58 @@ def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
   return _for_leaf(tier.estimator, shape, axes)
 
 
+def leaf_codec(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
+               path: str = 'leaf') -> Optional[_codec.StateCodec]:
+  """The codec a leaf of `shape` with `batch_axes` stores its momentum with (None: an
+  array of `tier.mu_dtype`)."""
+  if tier.mu_codec is None:
+    return None
+  shape = tuple(shape)
+  axes = _second_moment.normalise_batch_axes(batch_axes, shape, path)
+  return tier.mu_codec.for_leaf(shape, axes)
+
+
 def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None) -> dict[str, Any]:
   """A leaf's state under `tier`: its momentum (if the tier keeps one) and statistics,
   by field name (`FIELDS`); fields the leaf does not keep are absent."""
   p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
   _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
-  estimator = leaf_estimator(tuple(p.shape), tier, batch_axes, path)
-  mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else None
+  shape = tuple(p.shape)
+  estimator = leaf_estimator(shape, tier, batch_axes, path)
+  codec = leaf_codec(shape, tier, batch_axes, path)
+  mu_specs = None
+  if codec is not None:  # init refuses a leaf the codec does not fit, naming it
+    mu = codec.init(p, path)
+    mu_specs = lambda spec, mesh: codec.specs(spec, shape, mesh, path)  # noqa: E731
+  else:
+    mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else None
   stats = dict(estimator.init(p, path))
   _checks.check_estimator_init(estimator, path, stats, _second_moment.STAT_FIELDS)
-  _second_moment.record_leaf(path, estimator, tuple(p.shape), mu, stats)
+  _second_moment.record_leaf(path, estimator, shape, mu, stats, mu_specs)
   return {'mu': mu, **stats} if tier.momentum else stats
+
+
+def as_stored(stored: Any, expected: Any) -> Any:
+  """A coded momentum in the structure its codec made (`expected`, abstract).
+
+  `nnx.Optimizer` writes each new state back through `nnx.state`, which turns a pytree
+  held in a Variable (the codec's `Coded` NamedTuple) into an `nnx.State` of its fields;
+  the arrays are the same, so they are put back by field name (or in order).
+  """
+  if jax.tree.structure(stored) == jax.tree.structure(expected):
+    return stored
+  fields = getattr(type(expected), '_fields', None)
+  if fields is not None and isinstance(stored, Mapping) and set(stored) == set(fields):
+    return type(expected)(**{k: stored[k] for k in fields})
+  leaves = jax.tree.leaves(stored)
+  if len(leaves) == jax.tree.structure(expected).num_leaves:
+    return jax.tree.structure(expected).unflatten(leaves)
+  return stored  # the shape check names what differs
+
+
+@functools.lru_cache(maxsize=4096)
+def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str) -> Any:
+  return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -122,8 +167,16 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
   shape = tuple(g.shape)
   if param is not None:
     _checks.check_grad_shape(path, shape, _tree.abstract_leaf(param).shape, 'the parameter')
-  if tier.momentum:
+  if tier.momentum and tier.mu_codec is None:
     _checks.check_grad_shape(path, shape, row['mu'].shape, 'its momentum')
+  elif tier.momentum:  # the coded momentum a parameter of the gradient's shape keeps
+    try:
+      expected = _abstract_coded(leaf_codec(shape, tier, batch_axes, path), shape, path)
+    except (ValueError, TypeError) as e:
+      _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, None, e)
+      raise
+    row = {**row, 'mu': as_stored(row['mu'], expected)}
+    _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, {'mu': expected})
   present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
   try:
     estimator = leaf_estimator(shape, tier, batch_axes, path)
@@ -132,21 +185,32 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
     _checks.check_grad_fits_stats(path, shape, present, None, e)
     raise
   _checks.check_grad_fits_stats(path, shape, present, expected)
+  if tier.mu_codec is not None and tier.momentum:
+    present = {'mu': row['mu'], **present}
   return estimator, present
 
 
 def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
-                eps: Any, path: str, g: jax.Array, mu: Optional[jax.Array],
+                eps: Any, path: str, g: jax.Array, mu: Any,
                 present: Mapping[str, Any], t: jax.Array, bc2: jax.Array,
-                dtype: Any = None) -> tuple[jax.Array, dict[str, Any]]:
+                batch_axes: Any = None, dtype: Any = None
+                ) -> tuple[jax.Array, dict[str, Any]]:
   """A leaf's update under `tier` (`t` the step count after it, as a float32), in
   `dtype` (default the gradient's; `per_leaf.update_dtype`), and its new state (field
-  name -> array)."""
+  name -> array; a coded momentum as its codec stores it)."""
   # Every full-size array below is either an input, a state output or computed inside
   # the one fused pass that also applies the update: statistics come from reductions
   # over the stored arrays, and nothing of the leaf's size is materialised in between.
   bc1 = _per_leaf.bias_correction(b1, t)
-  if tier.momentum:
+  codec = leaf_codec(tuple(g.shape), tier, batch_axes, path)
+  if codec is not None:
+    # Decoded, updated and encoded within the step: the float32 momentum `m` lives only
+    # inside it, and the update is computed from `m` itself (as 8-bit Adam does), so the
+    # codes' error enters through the next step's decode only.
+    m = b1 * codec.decode(mu) + (1.0 - b1) * g.astype(jnp.float32)
+    stored = codec.encode(m)
+    mu = m
+  elif tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
   if tier.nesterov:
     # optax's Nesterov form: the momentum corrected one step ahead, plus the gradient.
@@ -167,6 +231,10 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
       clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
   u, new = estimator.update(g, present, x, step)
   _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
+  if tier.lr_scale != 1.0:
+    u = u * tier.lr_scale
+  if codec is not None:
+    mu = stored
   return u.astype(g.dtype if dtype is None else dtype), (
       {'mu': mu, **new} if tier.momentum else dict(new))
 
@@ -220,8 +288,9 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
         out.append((_per_leaf.zero_update(path, g, p), {}))
         continue
       estimator, present = check_grad(tier, path, g, p, row, a)
+      mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
       out.append(update_leaf(tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps,
-                             path, g, row.get('mu'), present, t, bc2,
+                             path, g, mu, present, t, bc2, a,
                              _per_leaf.update_dtype(g, p)))
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
         [new for _, new in out], FIELDS, specs_of(leaves, leaf_tiers, axes)))

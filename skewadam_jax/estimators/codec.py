@@ -1,0 +1,449 @@
+"""State codecs: a full-size statistic stored as low-bit codes and one scale per block.
+
+A tier with `Tier(mu_codec=...)` keeps its momentum encoded between steps. Inside the
+step the tier decodes it to float32, applies the moving average, computes the update
+from that float32 momentum and encodes it again (as 8-bit Adam does, Dettmers et al.
+2021), so no full-size float32 momentum is stored between steps; the codes' error
+enters only through the next step's decode.
+
+`Blockwise` is the built-in codec. The leaf is cut into blocks of `block_size`
+elements, each block inside one matrix of the leaf (one slice of its batch axes: an
+expert's, a layer's matrix; `Layout`). A block covers the trailing matrix axes in
+row-major order: along the column axis `C` if `block_size` divides it, or whole rows of
+`C` and a part of the next row axis up, and so on. Each block keeps its absolute maximum
+`s` (float32) and each element a `bits`-bit code of `x / s`::
+
+  linear  (absmax):  code = round(Q x / s) + Q,   x' = (code - Q) (s / Q),   Q = 2^(b-1) - 1
+  dynamic (Dettmers' dynamic-exponent map T, 2^b sorted values in [-1, 1]):
+                     code = argmin_k |x / s - T_k|  (ties to the larger),   x' = T[code] s
+
+Round to nearest, deterministic (`jnp.round`: halves to even). The linear map's error is
+at most `s / (2 Q)` per element of a block (`s / 254` at 8 bits, `s / 14` at 4 bits,
+plus float32 rounding); the dynamic map spends its codes on exponents (`b - 1`
+exponent bits: 10^-6 .. 1 at 8 bits, 10^-2 .. 1 at 4 bits), so small elements of a
+block keep their relative precision (Li et al. 2023 use it for a 4-bit first moment).
+
+Layout of the stored `Coded(codes, scales)`: both have the parameter's rank, so a
+parameter's PartitionSpec (and its Flax axis names) carries over unchanged.
+
+* `codes` (uint8): the parameter's shape at 8 bits; at 4 bits two codes per byte along
+  the column axis (length `ceil(C / 2)`): element `2i` in the low nibble, `2i + 1` in
+  the high nibble, an odd `C`'s last high nibble zero;
+* `scales` (float32): each axis `n` shortened to `n / e`, `e` the block's extent along
+  it (1 on batch axes).
+
+8 bits in blocks of 256: 1.016 B per element (AdamW's momentum: 4 B); 4 bits in blocks
+of 64: 0.5625 B.
+
+References:
+  Dettmers, Lewis, Shleifer & Zettlemoyer, 8-bit Optimizers via Block-wise
+  Quantization, arXiv 2110.02861, 2021.
+  Li, Chen & Zhu, Memory Efficient Optimizers with 4-bit States, arXiv 2309.01507, 2023.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import base as _base
+
+MAPPINGS = ('linear', 'dynamic')
+BITS = (4, 8)
+MAX_LISTED_SIZES = 12  # block sizes an error lists before it says how many more fit
+
+
+class Coded(NamedTuple):
+  """A statistic stored by `Blockwise`: codes and one scale per block (see module doc)."""
+  codes: jax.Array  # uint8, the parameter's shape; 4-bit: column axis ceil(C / 2).
+  scales: jax.Array  # float32, each axis n -> n / (block extent along it).
+
+
+class StateCodec(abc.ABC):
+  """How a tier stores a full-size statistic (its momentum) between steps.
+
+  A codec is static configuration (a frozen dataclass works well). The tier calls
+  `for_leaf` once per leaf, then `init`, and inside each step `decode` and `encode`;
+  the reports call `specs`.
+
+  Attributes:
+    name: the codec's name in reports.
+  """
+
+  name: str = 'codec'
+
+  def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+               ) -> StateCodec:
+    """The codec bound to a leaf of `shape` with `batch_axes` (sorted, non-negative)."""
+    del shape, batch_axes
+    return self
+
+  @abc.abstractmethod
+  def init(self, param: Any, path: str) -> Any:
+    """The encoded zeros of `param`'s shape (a pytree of arrays), built from `param` so
+    that they inherit its sharding. Raises a ValueError naming `path` if the leaf does
+    not fit the codec."""
+
+  @abc.abstractmethod
+  def encode(self, x: jax.Array) -> Any:
+    """`x` (float32, the bound leaf's shape) encoded: a pytree of `init`'s structure."""
+
+  @abc.abstractmethod
+  def decode(self, stored: Any) -> jax.Array:
+    """The float32 array of the bound leaf's shape that `stored` encodes."""
+
+  def specs(self, spec: _base.Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
+            ) -> Any:
+    """The PartitionSpec of each array `init` makes, for a parameter sharded as `spec`
+    (one entry per dimension); the default replicates them."""
+    del spec, mesh
+    stored = jax.eval_shape(lambda: self.init(jnp.zeros(shape, jnp.float32), path))
+    return jax.tree.map(lambda _: PartitionSpec(), stored)
+
+
+# ------------------------------------------------------------------------------ the maps
+
+
+@functools.cache
+def dynamic_map(bits: int) -> np.ndarray:
+  """Dettmers' signed dynamic-exponent map with `bits - 1` exponent bits: 2^bits sorted
+  float32 values in [-1, 1], 0 and 1 among them (bitsandbytes' `create_dynamic_map(
+  signed=True, max_exponent_bits=bits - 1, total_bits=bits)`).
+
+  For exponent `i` in `0 .. bits - 2`, the `2^i` midpoints of `linspace(0.1, 1, 2^i + 1)`
+  times `10^(i - bits + 2)`, each with both signs; then 0 and 1.
+  """
+  exponent_bits = bits - 1
+  values: list[float] = []
+  for i in range(exponent_bits):
+    bounds = np.linspace(0.1, 1.0, 2**i + 1)
+    means = (bounds[:-1] + bounds[1:]) / 2.0
+    values += list(10.0**(i - exponent_bits + 1) * means)
+    values += list(-10.0**(i - exponent_bits + 1) * means)
+  values += [0.0, 1.0]
+  assert len(values) == 2**bits
+  table = np.sort(np.asarray(values, np.float64)).astype(np.float32)
+  table.setflags(write=False)
+  return table
+
+
+def _midpoints(table: np.ndarray) -> np.ndarray:
+  """The decision thresholds of round-to-nearest on a sorted float32 table (float32)."""
+  return ((table[:-1] + table[1:]) / np.float32(2)).astype(np.float32)
+
+
+def _nearest(y: jax.Array, mids: np.ndarray, bits: int) -> jax.Array:
+  """The number of `mids` <= `y` (`searchsorted(mids, y, side='right')`): the index of
+  the nearest table value, ties to the larger. A binary search of `bits` elementwise
+  steps on the 2^bits - 1 thresholds: no [n, 2^bits] comparison is built."""
+  mids = jnp.asarray(mids)
+  code = jnp.zeros_like(y, dtype=jnp.int32)
+  for k in reversed(range(bits)):
+    candidate = code + (1 << k)
+    code = jnp.where(y >= _lookup(mids, candidate - 1), candidate, code)
+  return code
+
+
+def _lookup(table: jax.Array, index: jax.Array) -> jax.Array:
+  """`table[index]` for a small replicated table, placed like `index` (under an Explicit
+  mesh a gather must name its output's sharding)."""
+  placed = _explicit_spec(index)
+  if placed is None:
+    return table[index]
+  return table.at[index].get(out_sharding=NamedSharding(
+      placed.mesh, PartitionSpec(*placed.entries)))
+
+
+# ------------------------------------------------------------------------------ geometry
+
+
+def block_extents(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
+                  block_size: int) -> Optional[tuple[int, ...]]:
+  """Each axis's extent in a block of `block_size` elements (1 on batch axes), or None if
+  no block of that size fits: a block covers the trailing matrix axes in row-major
+  order, so along each axis it must divide the axis or cover it whole."""
+  layout = _base.Layout.of(len(shape), batch_axes)
+  extents = [1] * len(shape)
+  rest = block_size
+  for axis in reversed(layout.matrix):
+    if rest == 1:
+      break
+    n = shape[axis]
+    if rest >= n:
+      if rest % n:
+        return None
+      extents[axis], rest = n, rest // n
+    else:
+      if n % rest:
+        return None
+      extents[axis], rest = rest, 1
+  return tuple(extents) if rest == 1 else None
+
+
+def fitting_block_sizes(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
+                        even: bool = False) -> list[int]:
+  """Every block size that fits a leaf (`block_extents` not None), ascending; `even`:
+  only even ones (4-bit codes)."""
+  layout = _base.Layout.of(len(shape), batch_axes)
+  size = layout.matrix_size(shape)
+  divisors = set()
+  for d in range(1, math.isqrt(size) + 1):
+    if size % d == 0:
+      divisors.update((d, size // d))
+  return sorted(d for d in divisors if (not even or d % 2 == 0)
+                and block_extents(shape, batch_axes, d) is not None)
+
+
+def _split(shape: tuple[int, ...], extents: tuple[int, ...]) -> tuple[int, ...]:
+  """`shape` with each axis `n` split into `(n / e, e)`."""
+  return tuple(d for n, e in zip(shape, extents) for d in (n // e, e))
+
+
+class _Placed(NamedTuple):
+  """Where an array lies under an Explicit mesh: the mesh and one spec entry per axis."""
+  mesh: Any
+  entries: tuple[Any, ...]
+
+
+def _explicit_spec(x: jax.Array) -> Optional[_Placed]:
+  """The mesh and spec of `x`'s type under an Explicit mesh, else None.
+
+  Under an Explicit mesh a reshape of a sharded axis must name its output's sharding.
+  Every reshape here splits an axis into (outer, inner) or merges them back, with whole
+  blocks (and bytes) per shard (`Blockwise.specs` checks it): the outer part keeps the
+  axis's sharding.
+  """
+  try:
+    sharding = jax.typeof(x).sharding
+  except (AttributeError, TypeError):
+    return None
+  spec, mesh = getattr(sharding, 'spec', None), getattr(sharding, 'mesh', None)
+  if spec is None or mesh is None:
+    return None
+  entries = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
+  return _Placed(mesh, entries) if any(e is not None for e in entries) else None
+
+
+def _reshape(x: jax.Array, shape: tuple[int, ...], placed: Optional[_Placed]) -> jax.Array:
+  """`x.reshape(shape)`, naming the output's sharding under an Explicit mesh."""
+  if placed is None:
+    return x.reshape(shape)
+  return jax.lax.reshape(x, shape, out_sharding=NamedSharding(
+      placed.mesh, PartitionSpec(*placed.entries)))
+
+
+def _outer(placed: Optional[_Placed]) -> Optional[_Placed]:
+  """The placement of each axis split into (outer, inner): the outer part keeps it."""
+  return None if placed is None else placed._replace(
+      entries=tuple(d for e in placed.entries for d in (e, None)))
+
+
+def pack_nibbles(codes: jax.Array, axis: int) -> jax.Array:
+  """4-bit codes (uint8 < 16) packed two per byte along `axis`: element `2i` in the low
+  nibble, `2i + 1` in the high one; an odd length gets a zero high nibble last."""
+  n = codes.shape[axis]
+  if n % 2:
+    pad = [(0, 0)] * codes.ndim
+    pad[axis] = (0, 1)
+    codes = jnp.pad(codes, pad)
+  spec = _explicit_spec(codes)
+  shape = codes.shape[:axis] + (codes.shape[axis] // 2, 2) + codes.shape[axis + 1:]
+  pairs = _reshape(codes, shape, None if spec is None else spec._replace(
+      entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
+  low = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
+  high = jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
+  return low | (high << 4)
+
+
+def unpack_nibbles(packed: jax.Array, axis: int, n: int) -> jax.Array:
+  """The `n` 4-bit codes along `axis` that `pack_nibbles` packed."""
+  spec = _explicit_spec(packed)
+  pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
+  shape = packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:]
+  return jax.lax.slice_in_dim(_reshape(pairs, shape, spec), 0, n, 1, axis)
+
+
+def _shards(entry: Any, mesh: Optional[Mesh]) -> int:
+  """Number of shards a spec entry splits an axis into (1 if unknown)."""
+  if mesh is None or entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
+
+
+# ------------------------------------------------------------------------------ the codec
+
+
+@dataclasses.dataclass(frozen=True)
+class Blockwise(StateCodec):
+  """Blockwise low-bit codes with one float32 absmax scale per block (see module doc).
+
+  Attributes:
+    bits: 8 (one code per byte) or 4 (two codes per byte).
+    block_size: elements per block (static); it must fit every leaf of the tier: the
+      block lies inside one matrix (one slice of the batch axes) and, along each axis,
+      divides it or covers it whole (`init` lists the sizes that fit). Even at 4 bits.
+    mapping: `'linear'` (absmax, `2^(b-1) - 1` levels each side of 0) or `'dynamic'`
+      (Dettmers' dynamic-exponent map).
+    shape: the bound leaf's shape (`for_leaf` sets it), or None.
+    batch_axes: the bound leaf's batch axes (`for_leaf` sets them), or None (default).
+
+  Example:
+    >>> import jax.numpy as jnp, skewadam_jax as sj
+    >>> codec = sj.Blockwise(bits=4, block_size=64)
+    >>> tx = sj.scale_by_tiered_adam(tier=sj.Tier(mu_codec=codec))
+    >>> state = tx.init({'w': jnp.zeros((8, 128))})
+    >>> state.mu['w'].codes.shape, state.mu['w'].scales.shape
+    ((8, 64), (8, 2))
+
+  References:
+    Dettmers et al., 8-bit Optimizers via Block-wise Quantization, arXiv 2110.02861.
+    Li et al., Memory Efficient Optimizers with 4-bit States, arXiv 2309.01507.
+  """
+
+  bits: int = 8
+  block_size: int = 256
+  mapping: str = 'linear'
+  shape: Optional[tuple[int, ...]] = None
+  batch_axes: Optional[tuple[int, ...]] = None
+
+  def __post_init__(self):
+    _checks.check_positive_int('bits', self.bits)
+    if self.bits not in BITS:
+      raise ValueError(f'`bits` of sj.Blockwise must be one of {BITS}, got {self.bits!r}.')
+    _checks.check_positive_int('block_size', self.block_size)
+    if self.bits == 4 and self.block_size % 2:
+      raise ValueError(f'`block_size` of a 4-bit sj.Blockwise must be even (two codes per '
+                       f'byte), got {self.block_size}.')
+    _checks.check_choice('mapping', self.mapping, MAPPINGS)
+    if self.shape is not None:
+      object.__setattr__(self, 'shape', tuple(int(n) for n in self.shape))
+    if self.batch_axes is not None:
+      object.__setattr__(self, 'batch_axes', tuple(int(a) for a in self.batch_axes))
+
+  @property
+  def name(self) -> str:  # type: ignore[override]
+    return f'{self.bits}-bit {self.mapping}/{self.block_size}'
+
+  def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
+               ) -> Blockwise:
+    batch_axes = _base.Layout.of(len(shape), batch_axes).batch
+    shape = tuple(shape)
+    if (shape, batch_axes) == (self.shape, self.batch_axes):
+      return self
+    return dataclasses.replace(self, shape=shape, batch_axes=batch_axes)
+
+  # The bound leaf's geometry.
+
+  def _bound(self, shape: tuple[int, ...], path: str) -> Blockwise:
+    return self if self.shape == tuple(shape) else self.for_leaf(shape, self.batch_axes)
+
+  def _extents(self, path: str = 'leaf') -> tuple[int, ...]:
+    shape = self.shape if self.shape is not None else ()
+    extents = block_extents(shape, self.batch_axes, self.block_size)
+    if extents is not None:
+      return extents
+    layout = _base.Layout.of(len(shape), self.batch_axes)
+    sizes = fitting_block_sizes(shape, self.batch_axes, even=self.bits == 4)
+    listed = ', '.join(map(str, sizes[:MAX_LISTED_SIZES]))
+    if len(sizes) > MAX_LISTED_SIZES:
+      listed += f' and {len(sizes) - MAX_LISTED_SIZES} more up to {sizes[-1]}'
+    matrix = tuple(shape[a] for a in layout.matrix)
+    raise ValueError(
+        f'`block_size`={self.block_size} of sj.Blockwise does not fit parameter {path} '
+        f'of shape {shape} (batch axes {layout.batch}, matrices of shape {matrix}): a block '
+        'lies inside one matrix and, along each axis from the last, divides it or covers '
+        f'it whole. Allowed block sizes for this leaf: {listed or "none"}.')
+
+  def _pack_axis(self) -> Optional[int]:
+    """The axis 4-bit codes are packed along: the column axis (None for a 0-d leaf)."""
+    layout = _base.Layout.of(len(self.shape), self.batch_axes)
+    return layout.matrix[-1] if layout.matrix else None
+
+  def _code_of_zero(self) -> int:
+    q = 2**(self.bits - 1) - 1
+    return q if self.mapping == 'linear' else int(np.flatnonzero(dynamic_map(self.bits) == 0)[0])
+
+  # The codec.
+
+  def init(self, param: Any, path: str) -> Coded:
+    codec = self._bound(tuple(param.shape), path)
+    extents = codec._extents(path)
+    zeros = jnp.zeros_like(param, dtype=jnp.float32)
+    scales = _reshape(zeros, _split(codec.shape, extents), _outer(_explicit_spec(zeros))
+                      ).sum(axis=tuple(range(1, 2 * len(extents), 2)))
+    codes = jnp.full_like(param, codec._code_of_zero(), dtype=jnp.uint8)
+    if codec.bits == 4 and codec._pack_axis() is not None:
+      codes = pack_nibbles(codes, codec._pack_axis())
+    return Coded(codes, scales)
+
+  def encode(self, x: jax.Array) -> Coded:
+    extents = self._bound(tuple(x.shape), 'leaf')._extents()
+    spec = _explicit_spec(x)
+    blocks = _reshape(x.astype(jnp.float32), _split(x.shape, extents), _outer(spec))
+    inner = tuple(range(1, 2 * x.ndim, 2))
+    absmax = jnp.max(jnp.abs(blocks), axis=inner, keepdims=True)
+    y = blocks / jnp.where(absmax > 0, absmax, 1.0)
+    if self.mapping == 'linear':
+      q = 2**(self.bits - 1) - 1
+      codes = (jnp.round(y * q) + q).astype(jnp.uint8)
+    else:
+      codes = _nearest(y, _midpoints(dynamic_map(self.bits)), self.bits).astype(jnp.uint8)
+    codes = _reshape(codes, tuple(x.shape), spec)
+    axis = self._bound(tuple(x.shape), 'leaf')._pack_axis()
+    if self.bits == 4 and axis is not None:
+      codes = pack_nibbles(codes, axis)
+    return Coded(codes, _reshape(absmax, absmax.shape[::2] if x.ndim else (), spec))
+
+  def decode(self, stored: Coded) -> jax.Array:
+    if self.shape is None:
+      raise ValueError('sj.Blockwise.decode needs the leaf\'s shape: bind it with '
+                       '`codec.for_leaf(shape, batch_axes)` first.')
+    codes, scales = stored
+    axis = self._pack_axis()
+    if self.bits == 4 and axis is not None:
+      codes = unpack_nibbles(codes, axis, self.shape[axis])
+    extents = self._extents()
+    spec = _explicit_spec(codes)
+    codes = _reshape(codes, _split(self.shape, extents), _outer(spec))
+    scales = _reshape(scales, tuple(d for n, e in zip(self.shape, extents)
+                                    for d in (n // e, 1)), _outer(spec))
+    if self.mapping == 'linear':
+      q = 2**(self.bits - 1) - 1
+      values = (codes.astype(jnp.float32) - q) * (scales / q)
+    else:
+      values = _lookup(jnp.asarray(dynamic_map(self.bits)), codes.astype(jnp.int32)) * scales
+    return _reshape(values, self.shape, spec)
+
+  def specs(self, spec: _base.Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
+            ) -> Coded:
+    """The parameter's spec for the codes and the scales (both keep its rank), if every
+    shard holds whole blocks (and, at 4 bits, whole bytes); a ValueError otherwise."""
+    codec = self._bound(tuple(shape), path)
+    extents = codec._extents(path)
+    pack = codec._pack_axis() if codec.bits == 4 else None
+    for axis, (n, e) in enumerate(zip(shape, extents)):
+      shards = _shards(spec[axis], mesh)
+      if shards == 1:
+        continue
+      per_shard = n // shards if n % shards == 0 else None
+      if per_shard is None or per_shard % e or (axis == pack and per_shard % 2):
+        need = f'a multiple of {e}' + (' (and of 2: whole bytes)' if axis == pack else '')
+        raise ValueError(
+            f'Parameter {path} of shape {tuple(shape)} is sharded over mesh axis '
+            f'{spec[axis]!r} into {shards} shards along axis {axis}, but its {codec.name} '
+            f'momentum needs {need} elements of that axis per shard (whole blocks of '
+            f'{codec.block_size}). Choose a block size or a sharding that keeps blocks '
+            'within shards.')
+    return Coded(PartitionSpec(*spec), PartitionSpec(*spec))

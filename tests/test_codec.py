@@ -38,6 +38,7 @@ import pytest
 
 import moe_models as mm
 import skewadam_jax as sj
+from skewadam_jax.estimators import blocks as _blocks
 from skewadam_jax.estimators import codec as _codec
 from ulp import assert_within_ulp
 
@@ -132,12 +133,12 @@ def leaves(draw, max_ndim=3, max_len=12):
   shape = tuple(draw(st.lists(st.integers(1, max_len), min_size=ndim, max_size=ndim)))
   batch = tuple(sorted(draw(st.sets(st.integers(0, ndim - 1), max_size=ndim - 1))))
   bits = draw(st.sampled_from([4, 8]))
-  sizes = _codec.fitting_block_sizes(shape, batch, even=bits == 4)
+  sizes = _blocks.fitting_block_sizes(shape, batch, even=bits == 4)
   if not sizes:  # e.g. a 4-bit code on a leaf with odd matrices: widen the last axis
     shape = shape[:-1] + (2 * shape[-1],)
     if ndim - 1 in batch:
       batch = tuple(a for a in batch if a != ndim - 1)
-    sizes = _codec.fitting_block_sizes(shape, batch, even=bits == 4)
+    sizes = _blocks.fitting_block_sizes(shape, batch, even=bits == 4)
   block = draw(st.sampled_from(sizes))
   mapping = draw(st.sampled_from(['linear', 'dynamic']))
   seed = draw(st.integers(0, 2**16))
@@ -153,12 +154,12 @@ def leaves(draw, max_ndim=3, max_len=12):
 
 def test_dynamic_map_is_bitsandbytes_signed_map():
   for bits in (4, 8):
-    table = _codec.dynamic_map(bits)
+    table = _blocks.dynamic_map(bits)
     np.testing.assert_array_equal(table, ref_dynamic_map(bits))
     assert table.dtype == np.float32 and table.shape == (2**bits,)
     assert np.all(np.diff(table) > 0) and 0.0 in table and table[-1] == 1.0
-  assert _codec.dynamic_map(8)[128] == np.float32(0.55e-6)  # the smallest positive value
-  assert _codec.dynamic_map(4)[8] == np.float32(0.55e-2)
+  assert _blocks.dynamic_map(8)[128] == np.float32(0.55e-6)  # the smallest positive value
+  assert _blocks.dynamic_map(4)[8] == np.float32(0.55e-2)
 
 
 @FUZZ
@@ -193,7 +194,7 @@ def test_round_trip_error_per_block(case):
     q = 2**(codec.bits - 1) - 1
     assert np.all(np.abs(xb - gb) <= s / (2 * q) + 4 * np.finfo(np.float32).eps * s)
   else:  # the nearest table value of x / s (up to float32 rounding of x / s)
-    table = _codec.dynamic_map(codec.bits).astype(np.float64)
+    table = _blocks.dynamic_map(codec.bits).astype(np.float64)
     y = xb / np.where(s > 0, s, 1)
     nearest = np.abs(y[..., None] - table).min(-1)
     err = np.abs(gb / np.where(s > 0, s, 1) - y)
@@ -213,10 +214,10 @@ def test_linear_round_trip_bound_is_tight_at_8_and_4_bits():
 
 def test_4_bit_codes_are_packed_two_per_byte_low_nibble_first():
   codes = jnp.asarray(np.array([[1, 2, 3], [15, 0, 7]], np.uint8))
-  packed = _codec.pack_nibbles(codes, axis=1)
+  packed = _blocks.pack_nibbles(codes, axis=1)
   np.testing.assert_array_equal(packed, [[1 | 2 << 4, 3], [15, 7]])  # odd: high nibble 0
-  np.testing.assert_array_equal(_codec.unpack_nibbles(packed, 1, 3), codes)
-  along0 = _codec.pack_nibbles(codes.T, axis=0)
+  np.testing.assert_array_equal(_blocks.unpack_nibbles(packed, 1, 3), codes)
+  along0 = _blocks.pack_nibbles(codes.T, axis=0)
   np.testing.assert_array_equal(along0, packed.T)
   # A leaf: packed along its column axis (the last matrix axis, here axis 1 of [5, 7, 3]
   # with batch axis 2), its odd length 7 kept in ceil(7 / 2) = 4 bytes.
@@ -272,11 +273,11 @@ def test_a_block_fits_exactly_when_the_reference_can_keep_the_rank(case):
   x = jnp.zeros(shape)
   if fits:
     codec.for_leaf(shape, batch).init(x, 'p')
-    assert block in _codec.fitting_block_sizes(shape, batch)
+    assert block in _blocks.fitting_block_sizes(shape, batch)
   else:
     with pytest.raises(ValueError, match='does not fit parameter p'):
       codec.for_leaf(shape, batch).init(x, 'p')
-    assert block not in _codec.fitting_block_sizes(shape, batch)
+    assert block not in _blocks.fitting_block_sizes(shape, batch)
 
 
 def test_codec_and_tier_options_are_checked():

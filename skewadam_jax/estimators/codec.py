@@ -45,19 +45,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
-import math
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import base as _base
+from skewadam_jax.estimators import blocks as _blocks
 
 MAPPINGS = ('linear', 'dynamic')
 BITS = (4, 8)
@@ -113,176 +111,6 @@ class StateCodec(abc.ABC):
 
 
 # ------------------------------------------------------------------------------ the maps
-
-
-@functools.cache
-def dynamic_map(bits: int) -> np.ndarray:
-  """Dettmers' signed dynamic-exponent map with `bits - 1` exponent bits: 2^bits sorted
-  float32 values in [-1, 1], 0 and 1 among them (bitsandbytes' `create_dynamic_map(
-  signed=True, max_exponent_bits=bits - 1, total_bits=bits)`).
-
-  For exponent `i` in `0 .. bits - 2`, the `2^i` midpoints of `linspace(0.1, 1, 2^i + 1)`
-  times `10^(i - bits + 2)`, each with both signs; then 0 and 1.
-  """
-  exponent_bits = bits - 1
-  values: list[float] = []
-  for i in range(exponent_bits):
-    bounds = np.linspace(0.1, 1.0, 2**i + 1)
-    means = (bounds[:-1] + bounds[1:]) / 2.0
-    values += list(10.0**(i - exponent_bits + 1) * means)
-    values += list(-10.0**(i - exponent_bits + 1) * means)
-  values += [0.0, 1.0]
-  assert len(values) == 2**bits
-  table = np.sort(np.asarray(values, np.float64)).astype(np.float32)
-  table.setflags(write=False)
-  return table
-
-
-def _midpoints(table: np.ndarray) -> np.ndarray:
-  """The decision thresholds of round-to-nearest on a sorted float32 table (float32)."""
-  return ((table[:-1] + table[1:]) / np.float32(2)).astype(np.float32)
-
-
-def _nearest(y: jax.Array, mids: np.ndarray, bits: int) -> jax.Array:
-  """The number of `mids` <= `y` (`searchsorted(mids, y, side='right')`): the index of
-  the nearest table value, ties to the larger. A binary search of `bits` elementwise
-  steps on the 2^bits - 1 thresholds: no [n, 2^bits] comparison is built."""
-  mids = jnp.asarray(mids)
-  code = jnp.zeros_like(y, dtype=jnp.int32)
-  for k in reversed(range(bits)):
-    candidate = code + (1 << k)
-    code = jnp.where(y >= _lookup(mids, candidate - 1), candidate, code)
-  return code
-
-
-def _lookup(table: jax.Array, index: jax.Array) -> jax.Array:
-  """`table[index]` for a small replicated table, placed like `index` (under an Explicit
-  mesh a gather must name its output's sharding)."""
-  placed = _explicit_spec(index)
-  if placed is None:
-    return table[index]
-  return table.at[index].get(out_sharding=NamedSharding(
-      placed.mesh, PartitionSpec(*placed.entries)))
-
-
-# ------------------------------------------------------------------------------ geometry
-
-
-def block_extents(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
-                  block_size: int) -> Optional[tuple[int, ...]]:
-  """Each axis's extent in a block of `block_size` elements (1 on batch axes), or None if
-  no block of that size fits: a block covers the trailing matrix axes in row-major
-  order, so along each axis it must divide the axis or cover it whole."""
-  layout = _base.Layout.of(len(shape), batch_axes)
-  extents = [1] * len(shape)
-  rest = block_size
-  for axis in reversed(layout.matrix):
-    if rest == 1:
-      break
-    n = shape[axis]
-    if rest >= n:
-      if rest % n:
-        return None
-      extents[axis], rest = n, rest // n
-    else:
-      if n % rest:
-        return None
-      extents[axis], rest = rest, 1
-  return tuple(extents) if rest == 1 else None
-
-
-def fitting_block_sizes(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
-                        even: bool = False) -> list[int]:
-  """Every block size that fits a leaf (`block_extents` not None), ascending; `even`:
-  only even ones (4-bit codes)."""
-  layout = _base.Layout.of(len(shape), batch_axes)
-  size = layout.matrix_size(shape)
-  divisors = set()
-  for d in range(1, math.isqrt(size) + 1):
-    if size % d == 0:
-      divisors.update((d, size // d))
-  return sorted(d for d in divisors if (not even or d % 2 == 0)
-                and block_extents(shape, batch_axes, d) is not None)
-
-
-def _split(shape: tuple[int, ...], extents: tuple[int, ...]) -> tuple[int, ...]:
-  """`shape` with each axis `n` split into `(n / e, e)`."""
-  return tuple(d for n, e in zip(shape, extents) for d in (n // e, e))
-
-
-class _Placed(NamedTuple):
-  """Where an array lies under an Explicit mesh: the mesh and one spec entry per axis."""
-  mesh: Any
-  entries: tuple[Any, ...]
-
-
-def _explicit_spec(x: jax.Array) -> Optional[_Placed]:
-  """The mesh and spec of `x`'s type under an Explicit mesh, else None.
-
-  Under an Explicit mesh a reshape of a sharded axis must name its output's sharding.
-  Every reshape here splits an axis into (outer, inner) or merges them back, with whole
-  blocks (and bytes) per shard (`Blockwise.specs` checks it): the outer part keeps the
-  axis's sharding.
-  """
-  try:
-    sharding = jax.typeof(x).sharding
-  except (AttributeError, TypeError):
-    return None
-  spec, mesh = getattr(sharding, 'spec', None), getattr(sharding, 'mesh', None)
-  if spec is None or mesh is None:
-    return None
-  entries = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
-  return _Placed(mesh, entries) if any(e is not None for e in entries) else None
-
-
-def _reshape(x: jax.Array, shape: tuple[int, ...], placed: Optional[_Placed]) -> jax.Array:
-  """`x.reshape(shape)`, naming the output's sharding under an Explicit mesh."""
-  if placed is None:
-    return x.reshape(shape)
-  return jax.lax.reshape(x, shape, out_sharding=NamedSharding(
-      placed.mesh, PartitionSpec(*placed.entries)))
-
-
-def _outer(placed: Optional[_Placed]) -> Optional[_Placed]:
-  """The placement of each axis split into (outer, inner): the outer part keeps it."""
-  return None if placed is None else placed._replace(
-      entries=tuple(d for e in placed.entries for d in (e, None)))
-
-
-def pack_nibbles(codes: jax.Array, axis: int) -> jax.Array:
-  """4-bit codes (uint8 < 16) packed two per byte along `axis`: element `2i` in the low
-  nibble, `2i + 1` in the high one; an odd length gets a zero high nibble last."""
-  n = codes.shape[axis]
-  if n % 2:
-    pad = [(0, 0)] * codes.ndim
-    pad[axis] = (0, 1)
-    codes = jnp.pad(codes, pad)
-  spec = _explicit_spec(codes)
-  shape = codes.shape[:axis] + (codes.shape[axis] // 2, 2) + codes.shape[axis + 1:]
-  pairs = _reshape(codes, shape, None if spec is None else spec._replace(
-      entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
-  low = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
-  high = jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
-  return low | (high << 4)
-
-
-def unpack_nibbles(packed: jax.Array, axis: int, n: int) -> jax.Array:
-  """The `n` 4-bit codes along `axis` that `pack_nibbles` packed."""
-  spec = _explicit_spec(packed)
-  pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
-  shape = packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:]
-  return jax.lax.slice_in_dim(_reshape(pairs, shape, spec), 0, n, 1, axis)
-
-
-def _shards(entry: Any, mesh: Optional[Mesh]) -> int:
-  """Number of shards a spec entry splits an axis into (1 if unknown)."""
-  if mesh is None or entry is None:
-    return 1
-  names = entry if isinstance(entry, tuple) else (entry,)
-  return int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
-
-
-# ------------------------------------------------------------------------------ the codec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,11 +179,11 @@ class Blockwise(StateCodec):
 
   def _extents(self, path: str = 'leaf') -> tuple[int, ...]:
     shape = self.shape if self.shape is not None else ()
-    extents = block_extents(shape, self.batch_axes, self.block_size)
+    extents = _blocks.block_extents(shape, self.batch_axes, self.block_size)
     if extents is not None:
       return extents
     layout = _base.Layout.of(len(shape), self.batch_axes)
-    sizes = fitting_block_sizes(shape, self.batch_axes, even=self.bits == 4)
+    sizes = _blocks.fitting_block_sizes(shape, self.batch_axes, even=self.bits == 4)
     listed = ', '.join(map(str, sizes[:MAX_LISTED_SIZES]))
     if len(sizes) > MAX_LISTED_SIZES:
       listed += f' and {len(sizes) - MAX_LISTED_SIZES} more up to {sizes[-1]}'
@@ -373,7 +201,9 @@ class Blockwise(StateCodec):
 
   def _code_of_zero(self) -> int:
     q = 2**(self.bits - 1) - 1
-    return q if self.mapping == 'linear' else int(np.flatnonzero(dynamic_map(self.bits) == 0)[0])
+    if self.mapping == 'linear':
+      return q
+    return int(np.flatnonzero(_blocks.dynamic_map(self.bits) == 0)[0])
 
   # The codec.
 
@@ -381,17 +211,19 @@ class Blockwise(StateCodec):
     codec = self._bound(tuple(param.shape), path)
     extents = codec._extents(path)
     zeros = jnp.zeros_like(param, dtype=jnp.float32)
-    scales = _reshape(zeros, _split(codec.shape, extents), _outer(_explicit_spec(zeros))
-                      ).sum(axis=tuple(range(1, 2 * len(extents), 2)))
+    scales = _blocks.reshape(zeros, _blocks.split_shape(codec.shape, extents),
+                             _blocks.outer(_blocks.explicit_spec(zeros)))
+    scales = scales.sum(axis=tuple(range(1, 2 * len(extents), 2)))
     codes = jnp.full_like(param, codec._code_of_zero(), dtype=jnp.uint8)
     if codec.bits == 4 and codec._pack_axis() is not None:
-      codes = pack_nibbles(codes, codec._pack_axis())
+      codes = _blocks.pack_nibbles(codes, codec._pack_axis())
     return Coded(codes, scales)
 
   def encode(self, x: jax.Array) -> Coded:
     extents = self._bound(tuple(x.shape), 'leaf')._extents()
-    spec = _explicit_spec(x)
-    blocks = _reshape(x.astype(jnp.float32), _split(x.shape, extents), _outer(spec))
+    spec = _blocks.explicit_spec(x)
+    blocks = _blocks.reshape(x.astype(jnp.float32), _blocks.split_shape(x.shape, extents),
+                             _blocks.outer(spec))
     inner = tuple(range(1, 2 * x.ndim, 2))
     absmax = jnp.max(jnp.abs(blocks), axis=inner, keepdims=True)
     y = blocks / jnp.where(absmax > 0, absmax, 1.0)
@@ -399,12 +231,13 @@ class Blockwise(StateCodec):
       q = 2**(self.bits - 1) - 1
       codes = (jnp.round(y * q) + q).astype(jnp.uint8)
     else:
-      codes = _nearest(y, _midpoints(dynamic_map(self.bits)), self.bits).astype(jnp.uint8)
-    codes = _reshape(codes, tuple(x.shape), spec)
+      mids = _blocks.midpoints(_blocks.dynamic_map(self.bits))
+      codes = _blocks.nearest(y, mids, self.bits).astype(jnp.uint8)
+    codes = _blocks.reshape(codes, tuple(x.shape), spec)
     axis = self._bound(tuple(x.shape), 'leaf')._pack_axis()
     if self.bits == 4 and axis is not None:
-      codes = pack_nibbles(codes, axis)
-    return Coded(codes, _reshape(absmax, absmax.shape[::2] if x.ndim else (), spec))
+      codes = _blocks.pack_nibbles(codes, axis)
+    return Coded(codes, _blocks.reshape(absmax, absmax.shape[::2] if x.ndim else (), spec))
 
   def decode(self, stored: Coded) -> jax.Array:
     if self.shape is None:
@@ -413,18 +246,19 @@ class Blockwise(StateCodec):
     codes, scales = stored
     axis = self._pack_axis()
     if self.bits == 4 and axis is not None:
-      codes = unpack_nibbles(codes, axis, self.shape[axis])
+      codes = _blocks.unpack_nibbles(codes, axis, self.shape[axis])
     extents = self._extents()
-    spec = _explicit_spec(codes)
-    codes = _reshape(codes, _split(self.shape, extents), _outer(spec))
-    scales = _reshape(scales, tuple(d for n, e in zip(self.shape, extents)
-                                    for d in (n // e, 1)), _outer(spec))
+    spec = _blocks.explicit_spec(codes)
+    codes = _blocks.reshape(codes, _blocks.split_shape(self.shape, extents), _blocks.outer(spec))
+    scales = _blocks.reshape(scales, tuple(d for n, e in zip(self.shape, extents)
+                                    for d in (n // e, 1)), _blocks.outer(spec))
     if self.mapping == 'linear':
       q = 2**(self.bits - 1) - 1
       values = (codes.astype(jnp.float32) - q) * (scales / q)
     else:
-      values = _lookup(jnp.asarray(dynamic_map(self.bits)), codes.astype(jnp.int32)) * scales
-    return _reshape(values, self.shape, spec)
+      table = jnp.asarray(_blocks.dynamic_map(self.bits))
+      values = _blocks.lookup(table, codes.astype(jnp.int32)) * scales
+    return _blocks.reshape(values, self.shape, spec)
 
   def specs(self, spec: _base.Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Coded:
@@ -434,7 +268,7 @@ class Blockwise(StateCodec):
     extents = codec._extents(path)
     pack = codec._pack_axis() if codec.bits == 4 else None
     for axis, (n, e) in enumerate(zip(shape, extents)):
-      shards = _shards(spec[axis], mesh)
+      shards = _blocks.shards(spec[axis], mesh)
       if shards == 1:
         continue
       per_shard = n // shards if n % shards == 0 else None

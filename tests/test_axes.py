@@ -22,7 +22,7 @@ from flax import nnx
 import skewadam_jax as sj
 from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.structure import paths as _paths
-from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.transforms import tier_leaf as _tier_leaf
 from tests.test_real_trees import _abstract
 from tests.test_real_trees import _nest
 from tests.test_real_trees import _record
@@ -240,10 +240,10 @@ def test_default_layout_is_one_explicit_tuple_whatever_its_spelling():
   assert sj.Factored().for_leaf((6, 5)).batch_axes == ()
   assert sj.Factored().for_leaf((4, 5), (0,)).name == 'exact'
   # The tier normalises them once, naming the leaf by its path in errors.
-  est = _tiered.leaf_estimator((4, 6, 5), sj.Tier(), (-3,), 'blocks/w')
+  est = _tier_leaf.leaf_estimator((4, 6, 5), sj.Tier(), (-3,), 'blocks/w')
   assert est == _factored.Factored((0,))
   with pytest.raises(ValueError, match=r'`batch_axes` \(3,\) of blocks/w are out of range'):
-    _tiered.leaf_estimator((4, 6, 5), sj.Tier(), (3,), 'blocks/w')
+    _tier_leaf.leaf_estimator((4, 6, 5), sj.Tier(), (3,), 'blocks/w')
 
 
 def test_skewadam_default_batch_axes_on_our_trees_are_the_default_layout():

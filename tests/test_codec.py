@@ -39,7 +39,6 @@ import pytest
 import moe_models as mm
 import skewadam_jax as sj
 from skewadam_jax.estimators import blocks as _blocks
-from skewadam_jax.estimators import codec as _codec
 from ulp import assert_within_ulp
 
 ROOT = Path(__file__).resolve().parents[1]

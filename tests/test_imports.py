@@ -17,7 +17,9 @@ Besides the layering:
   function, where it would hide a dependency from the reader and from this test);
 * no module reads another's private names (`_module._name`), and no `noqa: SLF001`
   silences that: what modules share is a public name of the module that owns it;
-* the modules import each other without a cycle.
+* the modules import each other without a cycle;
+* every module is of a size one can read: at most `MAX_MODULE_LINES` lines, no class
+  over `MAX_CLASS_LINES`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import tokenize
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'skewadam_jax'
+MAX_MODULE_LINES = 420  # about 400: a module holds one idea
+MAX_CLASS_LINES = 250
 LAYERS = ('core', 'estimators', 'structure', 'transforms', 'reports', 'integrations')
 
 
@@ -174,3 +178,13 @@ def test_modules_import_each_other_without_a_cycle():
   graph = _graph()
   cyclic = sorted(name for name in graph if name in _closure(graph, name))
   assert not cyclic
+
+
+@pytest.mark.parametrize('name', MODULES)
+def test_modules_and_classes_are_of_a_readable_size(name):
+  source = SOURCES[name]
+  assert source.count('\n') <= MAX_MODULE_LINES, f'{name}: {source.count(chr(10))} lines'
+  big = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+         if isinstance(node, ast.ClassDef)
+         and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+  assert not big, f'{name}: {big}'

@@ -20,7 +20,7 @@ from skewadam_jax.structure import warning as _warning
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import per_leaf as _per_leaf
 from skewadam_jax.transforms import tier as _tier
-from skewadam_jax.transforms import tiers as _tiered
+from skewadam_jax.transforms import tier_leaf as _tier_leaf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ def record_tiers(params: Any, tiers: Mapping[str, _tier.Tier], param_labels: Any
   for (path, p), label, ax, note in zip(leaves, treedef.flatten_up_to(labels), axes, notes):
     p = _tree.abstract_leaf(p)
     if _per_leaf.trains(p):
-      estimator = _tiered.leaf_estimator(tuple(p.shape), tiers[label], ax, path)
+      estimator = _tier_leaf.leaf_estimator(tuple(p.shape), tiers[label], ax, path)
     else:
       estimator, note = None, (f'{p.dtype} leaf: no state, update 0 before weight decay '
                                '(as optax.adamw\'s for a zero gradient)')

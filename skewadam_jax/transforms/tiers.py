@@ -3,34 +3,26 @@
 `scale_by_tiers` steps every parameter by its tier (`tier.Tier`), one state for all
 tiers; `scale_by_tiered_adam` is one tier's rule for every leaf it gets. Each estimator
 lives in its own module (`estimators.exact`, `.factored`, `.grouped`, `.orthogonal`);
-this one only composes them, leaf by leaf (`per_leaf`).
+this one only composes them: one leaf's step is `tier_leaf`, the state's scaffold
+`per_leaf`.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from skewadam_jax.core import checks as _checks
-from skewadam_jax.estimators import codec as _codec
-from skewadam_jax.estimators import exact as _exact
-from skewadam_jax.estimators import factored as _factored
-from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import per_leaf as _per_leaf
-from skewadam_jax.estimators import base as _second_moment
-from skewadam_jax.core import tree as _tree
+from skewadam_jax.transforms import tier_leaf as _tier_leaf
 
 from skewadam_jax.transforms import presets as _presets
 from skewadam_jax.transforms.tier import Tier
 
-FIELDS = ('mu',) + _second_moment.STAT_FIELDS  # the per-parameter fields of the state
 
 
 class TieredAdamState(NamedTuple):
@@ -53,192 +45,6 @@ class TieredAdamState(NamedTuple):
   v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else None.
 
 
-def _for_leaf(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
-              batch_axes: Optional[tuple[int, ...]]) -> _second_moment.SecondMoment:
-  """`estimator.for_leaf`, also for user estimators written as `for_leaf(self, shape)`."""
-  try:
-    params = inspect.signature(estimator.for_leaf).parameters
-  except (TypeError, ValueError):
-    params = {}
-  takes_axes = 'batch_axes' in params or len(params) >= 2 or any(
-      p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values())
-  if takes_axes:
-    return estimator.for_leaf(shape, batch_axes)
-  return estimator.for_leaf(shape)
-
-
-def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
-                   path: str = 'leaf') -> _second_moment.SecondMoment:
-  """The second-moment estimator a leaf of `shape` with `batch_axes` gets under `tier`."""
-  shape = tuple(shape)
-  axes = _second_moment.normalise_batch_axes(batch_axes, shape, path)
-  return _for_leaf(tier.estimator, shape, axes)
-
-
-def leaf_codec(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
-               path: str = 'leaf') -> Optional[_codec.StateCodec]:
-  """The codec a leaf of `shape` with `batch_axes` stores its momentum with (None: an
-  array of `tier.mu_dtype`)."""
-  if tier.mu_codec is None:
-    return None
-  shape = tuple(shape)
-  axes = _second_moment.normalise_batch_axes(batch_axes, shape, path)
-  return tier.mu_codec.for_leaf(shape, axes)
-
-
-def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None) -> dict[str, Any]:
-  """A leaf's state under `tier`: its momentum (if the tier keeps one) and statistics,
-  by field name (`FIELDS`); fields the leaf does not keep are absent."""
-  p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
-  _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
-  shape = tuple(p.shape)
-  estimator = leaf_estimator(shape, tier, batch_axes, path)
-  codec = leaf_codec(shape, tier, batch_axes, path)
-  mu_specs = None
-  if codec is not None:  # init refuses a leaf the codec does not fit, naming it
-    mu = codec.init(p, path)
-    mu_specs = lambda spec, mesh: codec.specs(spec, shape, mesh, path)  # noqa: E731
-  else:
-    mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else None
-  stats = dict(estimator.init(p, path))
-  _checks.check_estimator_init(estimator, path, stats, _second_moment.STAT_FIELDS)
-  _second_moment.record_leaf(path, estimator, shape, mu, stats, mu_specs)
-  return {'mu': mu, **stats} if tier.momentum else stats
-
-
-def as_stored(stored: Any, expected: Any) -> Any:
-  """A coded momentum in the structure its codec made (`expected`, abstract).
-
-  `nnx.Optimizer` writes each new state back through `nnx.state`, which turns a pytree
-  held in a Variable (the codec's `Coded` NamedTuple) into an `nnx.State` of its fields;
-  the arrays are the same, so they are put back by field name (or in order).
-  """
-  if jax.tree.structure(stored) == jax.tree.structure(expected):
-    return stored
-  fields = getattr(type(expected), '_fields', None)
-  if fields is not None and isinstance(stored, Mapping) and set(stored) == set(fields):
-    return type(expected)(**{k: stored[k] for k in fields})
-  leaves = jax.tree.leaves(stored)
-  if len(leaves) == jax.tree.structure(expected).num_leaves:
-    return jax.tree.structure(expected).unflatten(leaves)
-  return stored  # the shape check names what differs
-
-
-@functools.lru_cache(maxsize=4096)
-def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str) -> Any:
-  return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
-                           dtype: Any, path: str) -> dict[str, Any]:
-  return jax.eval_shape(lambda: dict(estimator.init(jnp.zeros(shape, dtype), path)))
-
-
-def abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
-                   dtype: Any, path: str) -> dict[str, Any]:
-  """The statistics `estimator.init` makes for a parameter of `shape`, as shapes only.
-
-  Cached: a model repeats few shapes. The built-in estimators' statistics do not depend
-  on the path (it only names the leaf in errors), so they are cached per shape; a user
-  estimator's per path, or not at all if it is not hashable.
-  """
-  dtype = jnp.dtype(dtype)
-  key = '' if type(estimator) in (_exact.Exact, _factored.Factored, _grouped.Grouped) else path
-  try:
-    return _cached_abstract_stats(estimator, shape, dtype, key)
-  except (TypeError, ValueError):  # unhashable, or `init` raised: uncached, with the path
-    pass
-  return jax.eval_shape(lambda: dict(estimator.init(jnp.zeros(shape, dtype), path)))
-
-
-def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str, Any],
-               batch_axes: Any
-               ) -> tuple[_second_moment.SecondMoment, dict[str, Any]]:
-  """Raises unless gradient `g` fits its leaf's state (and parameter, if given); else
-  returns the leaf's estimator and the statistics it keeps, which the update uses.
-
-  Shapes are static, so the checks run once, at trace time; without them a gradient
-  of another shape (e.g. [256, 1] for a [256, 64] parameter) would broadcast against
-  the state into a full-size update. The gradient is checked against its parameter
-  (if `params` are given), its momentum (if kept) and the statistics its estimator
-  makes for a parameter of the gradient's shape.
-  """
-  shape = tuple(g.shape)
-  if param is not None:
-    _checks.check_grad_shape(path, shape, _tree.abstract_leaf(param).shape, 'the parameter')
-  if tier.momentum and tier.mu_codec is None:
-    _checks.check_grad_shape(path, shape, row['mu'].shape, 'its momentum')
-  elif tier.momentum:  # the coded momentum a parameter of the gradient's shape keeps
-    try:
-      expected = _abstract_coded(leaf_codec(shape, tier, batch_axes, path), shape, path)
-    except (ValueError, TypeError) as e:
-      _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, None, e)
-      raise
-    row = {**row, 'mu': as_stored(row['mu'], expected)}
-    _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, {'mu': expected})
-  present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
-  try:
-    estimator = leaf_estimator(shape, tier, batch_axes, path)
-    expected = abstract_stats(estimator, shape, g.dtype, path)
-  except (ValueError, TypeError) as e:  # e.g. batch axes out of range for `g`'s rank
-    _checks.check_grad_fits_stats(path, shape, present, None, e)
-    raise
-  _checks.check_grad_fits_stats(path, shape, present, expected)
-  if tier.mu_codec is not None and tier.momentum:
-    present = {'mu': row['mu'], **present}
-  return estimator, present
-
-
-def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
-                eps: Any, path: str, g: jax.Array, mu: Any,
-                present: Mapping[str, Any], t: jax.Array, bc2: jax.Array,
-                batch_axes: Any = None, dtype: Any = None
-                ) -> tuple[jax.Array, dict[str, Any]]:
-  """A leaf's update under `tier` (`t` the step count after it, as a float32), in
-  `dtype` (default the gradient's; `per_leaf.update_dtype`), and its new state (field
-  name -> array; a coded momentum as its codec stores it)."""
-  # Every full-size array below is either an input, a state output or computed inside
-  # the one fused pass that also applies the update: statistics come from reductions
-  # over the stored arrays, and nothing of the leaf's size is materialised in between.
-  bc1 = _per_leaf.bias_correction(b1, t)
-  codec = leaf_codec(tuple(g.shape), tier, batch_axes, path)
-  if codec is not None:
-    # Decoded, updated and encoded within the step: the float32 momentum `m` lives only
-    # inside it, and the update is computed from `m` itself (as 8-bit Adam does), so the
-    # codes' error enters through the next step's decode only.
-    m = b1 * codec.decode(mu) + (1.0 - b1) * g.astype(jnp.float32)
-    stored = codec.encode(m)
-    mu = m
-  elif tier.momentum:
-    mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
-  if tier.nesterov:
-    # optax's Nesterov form: the momentum corrected one step ahead, plus the gradient.
-    bc1_next = _per_leaf.bias_correction(b1, t + 1.0)
-    x = b1 / bc1_next * mu.astype(jnp.float32) + (1.0 - b1) / bc1 * g.astype(jnp.float32)
-    num_scale = 1.0
-  elif tier.momentum:
-    x = mu  # the stored (cast) momentum: no defensive copy of the uncast one
-    num_scale = 1.0 / bc1
-  else:
-    x = g
-    num_scale = 1.0
-  floor = tier.eps_mode == 'floor'
-  if floor:
-    num_scale = num_scale * jnp.sqrt(bc2)
-  step = _second_moment.Step(
-      b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
-      clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
-  u, new = estimator.update(g, present, x, step)
-  _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
-  if tier.lr_scale != 1.0:
-    u = u * tier.lr_scale
-  if codec is not None:
-    mu = stored
-  return u.astype(g.dtype if dtype is None else dtype), (
-      {'mu': mu, **new} if tier.momentum else dict(new))
-
-
 def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[str]],
                      b1: Any, b2: Any, eps: Any, batch_axes: Any, name: str
                      ) -> optax.GradientTransformationExtraArgs:
@@ -259,18 +65,18 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     # keeps, as its estimator derives them from the parameter's axis names.
     def specs(i: int, names: Any, shape: tuple[int, ...]) -> Mapping[str, Any]:
       path = leaves.paths[i]
-      return leaf_estimator(shape, leaf_tiers[i], axes[i], path).specs(names, shape, None,
-                                                                        path)
+      estimator = _tier_leaf.leaf_estimator(shape, leaf_tiers[i], axes[i], path)
+      return estimator.specs(names, shape, None, path)
     return specs
 
   def init_fn(params):
     leaves = _per_leaf.Leaves.of(params)
     leaf_tiers, axes = setup(params, leaves)
     # An integer or boolean leaf keeps nothing (`per_leaf.trains`).
-    rows = [init_leaf(tier, path, p, a) if _per_leaf.trains(p) else {}
+    rows = [_tier_leaf.init_leaf(tier, path, p, a) if _per_leaf.trains(p) else {}
             for tier, path, p, a in zip(leaf_tiers, leaves.paths, leaves.arrays, axes)]
     return TieredAdamState(_per_leaf.zero_count(), **leaves.fields(
-        rows, FIELDS, specs_of(leaves, leaf_tiers, axes)))
+        rows, _tier_leaf.FIELDS, specs_of(leaves, leaf_tiers, axes)))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # unused; accepted so that the transform chains like optax's
@@ -278,7 +84,7 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
                                lambda s: isinstance(s, TieredAdamState), name)
     leaves = _per_leaf.Leaves.of(updates)
     leaf_tiers, axes = setup(updates, leaves)
-    rows = leaves.read(state, FIELDS)
+    rows = leaves.read(state, _tier_leaf.FIELDS)
     count, t = _per_leaf.next_count(state.count)
     bc2 = _per_leaf.bias_correction(b2, t)
     out = []
@@ -287,13 +93,13 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
       if not _per_leaf.trains(g, p):
         out.append((_per_leaf.zero_update(path, g, p), {}))
         continue
-      estimator, present = check_grad(tier, path, g, p, row, a)
+      estimator, present = _tier_leaf.check_grad(tier, path, g, p, row, a)
       mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
-      out.append(update_leaf(tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps,
-                             path, g, mu, present, t, bc2, a,
-                             _per_leaf.update_dtype(g, p)))
+      out.append(_tier_leaf.update_leaf(
+          tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps, path, g, mu,
+          present, t, bc2, a, _per_leaf.update_dtype(g, p)))
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
-        [new for _, new in out], FIELDS, specs_of(leaves, leaf_tiers, axes)))
+        [new for _, new in out], _tier_leaf.FIELDS, specs_of(leaves, leaf_tiers, axes)))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -22,3 +22,4 @@ class _Lazy:
 
 
 jex_core: Any = _Lazy('jax.extend.core')  # `jax.extend.core`
+source_info_util: Any = _Lazy('jax.extend.source_info_util')  # `jax.extend.source_info_util`

@@ -23,8 +23,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
-from jax.extend import source_info_util
 import numpy as np
+
+from skewadam_jax.core.lazy import source_info_util
 
 EMPTY: frozenset = frozenset()
 INPUT_AXIS = ('x', 0)

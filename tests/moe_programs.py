@@ -102,18 +102,10 @@ KNOWN_FAILING: dict[str, frozenset[str]] = {
         'dispatch:concat&bank:units',
         'stacking:vmap',  # layers applied by jax.vmap: no layer axis
     }),
-    'default': frozenset({
-        # a per-expert scale [E] beside the bank: router and scale backbone, no warning
-        'bank:expert_scale&names:random',
-        'bank:expert_scale&names:mixed',
-        # a router bias [E] named by a token beside `router` [d, E] and one module per
-        # expert in one flat dict: backbone (or experts when stacked), no warning
-        'router:select_bias&bank:units&layout:flat&names:random',
-        'router:select_bias&bank:units&layout:flat&names:mixed',
-    }),
-    'quiet': frozenset({
-        'sharding:boxed',  # nn.Partitioned names: `expert` on a dense weight warns
-    }),
+    # None: every block is right or loud on the default route, and quiet on conventional
+    # names (`python tests/moe_programs.py --blocks`).
+    'default': frozenset(),
+    'quiet': frozenset(),
 }
 
 _CONSONANTS = 'bcdfghjklmnpqrstvwxz'

@@ -356,6 +356,80 @@ def test_a_bare_router_kernel_brings_only_its_bias_into_the_router_tier():
                                                         'w_out': 'experts'}}
 
 
+def test_a_per_expert_scale_beside_a_bank_keeps_the_bank_and_its_router():
+  """A per-expert scale [E] in the bank's module, all names random: the bank (its scale
+  too, expert axis 0) and the router kernel beside it are read from shapes, quietly."""
+  z = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  tree = {'ab': {'kr': z(8, 4)}, 'cd': {'wx': z(4, 8, 12), 'wy': z(4, 12, 8), 'sc': z(4)}}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    labels = sj.moe_param_labels(tree)
+    axes = sj.moe_batch_axes(tree)
+  assert labels == {'ab': {'kr': 'router'},
+                    'cd': {'wx': 'experts', 'wy': 'experts', 'sc': 'experts'}}
+  assert axes == {'ab': {'kr': ()}, 'cd': {'wx': (0,), 'wy': (0,), 'sc': (0,)}}
+
+
+@pytest.mark.parametrize('bank', ['units', 'stacked'])
+def test_a_vector_beside_a_named_router_kernel_is_its_bias(bank):
+  """A selection bias [E] with a random name beside a `router` kernel [d, E] in one flat
+  dict, the bank in a module of its own (one module per expert, or stacked): router."""
+  z = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  experts = ([{'w1': z(8, 12), 'w2': z(12, 8)} for _ in range(4)] if bank == 'units'
+             else {'w1': z(4, 8, 12), 'w2': z(4, 12, 8)})
+  tree = {'router': z(8, 4), 'bq': z(4), 'experts': experts}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    labels = sj.moe_param_labels(tree)
+  assert labels['router'] == labels['bq'] == 'router'
+  assert set(jax.tree_util.tree_leaves(labels['experts'])) == {'experts'}
+
+
+def test_the_kernel_beside_a_named_router_bias_is_the_router():
+  """A router kernel [d, E] with a random name beside a `router_bias` [E] and dense
+  kernels [d, f], one module per expert beside them: the kernel mapping to E is the
+  router's (not silently backbone)."""
+  z = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  tree = {'kt': z(8, 4), 'router_bias': z(4), 'pre_norm': z(8), 'bx': z(8, 12),
+          'rk': z(12, 8), 'experts': [{'w1': z(8, 12), 'w2': z(12, 8)} for _ in range(4)]}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    labels = sj.moe_param_labels(tree)
+  assert {k: v for k, v in labels.items() if k != 'experts'} == {
+      'kt': 'router', 'router_bias': 'router', 'pre_norm': 'backbone', 'bx': 'backbone',
+      'rk': 'backbone'}
+
+
+def test_a_vector_beside_a_router_kernel_and_its_flat_bank_is_reported():
+  """In one flat module with a router kernel [d, E] and the bank's leaves [E, ...], a
+  vector [E] may be the router's bias or a per-expert scale: no name tells, so it is
+  named in the warning; one named after the router kernel (`kr_b`) is its bias."""
+  z = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  tree = {'kr': z(8, 4), 'kr_b': z(4), 'sc': z(4), 'wx': z(4, 8, 12), 'wy': z(4, 12, 8)}
+  labels, text = _unsure(tree)
+  assert labels == {'kr': 'router', 'kr_b': 'router', 'sc': 'router', 'wx': 'experts',
+                    'wy': 'experts'}
+  assert _named_in('sc', text) and not _named_in('kr_b', text)
+  assert "sj.make_labeler([('sc', 'experts')])" in text
+
+
+def test_an_expert_mesh_axis_on_the_router_input_width_confirms_nothing():
+  """A mesh axis called `expert` sharding the router kernel's input width d ([d, E]
+  named (expert, tensor)) says nothing about the expert count: a dense output layer
+  [d, V] sharded the same way is not reported."""
+  boxed = lambda shape, names: nn.Partitioned(jnp.zeros(shape), names=names)  # noqa: E731
+  tree = {'router': {'kernel': boxed((8, 4), ('expert', 'tensor'))},
+          'experts': {'w1': boxed((4, 8, 12), ('expert', None, None)),
+                      'w2': boxed((4, 12, 8), ('expert', None, None))},
+          'lm_head': {'kernel': boxed((8, 11), ('expert', None))}}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    labels = sj.moe_param_labels(tree)
+    sj.moe_batch_axes(tree)
+  assert _labels_by_path_of(labels) == {'router/kernel': 'router', 'experts/w1': 'experts',
+                                        'experts/w2': 'experts', 'lm_head/kernel': 'backbone'}
+
+
 # ---------------------------------------------------------------------------- numbered units
 
 

@@ -16,9 +16,11 @@ so that `init` (boxed Linen params, `nnx.State`) and `update` (the pure arrays t
    never read as an expert count, and expert banks (a subtree whose leaves share an
    axis length E, beside a router candidate [d, E] whose d is an axis of the bank):
    bank and router, whatever they are called;
-6. structure, within one MoE block: leaves beside a router [d, E] whose first axis
-   (after the scanned ones) is E are experts; a kernel [..., E] beside a bank of E
-   experts is a router;
+6. structure, within one MoE block: a vector [E] beside a router kernel [d, E] in its
+   module is its bias, and the one kernel [d, E] beside a router bias [E] is its
+   kernel; leaves beside a router [d, E] whose first axis (after the
+   scanned ones) is E are experts; a kernel [..., E] beside a bank of E experts is a
+   router;
 7. `DENSE_RULES` (known dense modules, backbone);
 8. the default tier, `backbone` (lossless).
 
@@ -104,6 +106,8 @@ class Labeler:
       if use_axis_names:
         _rules.axis_name_experts(leaves)
       found = _shapes.stacks_and_banks(leaves, label=True)
+      _shapes.bias_kernels(leaves)
+      _shapes.router_vectors(leaves)
       _shapes.block_structure(leaves, use_axis_names)
       _rules.apply_rules(leaves, self._dense_rules, 'dense rule')
     else:

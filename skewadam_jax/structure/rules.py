@@ -144,12 +144,16 @@ def numbered_experts(leaves: list[_paths.Leaf]) -> None:
 
 def router_counts(leaves: Sequence[_paths.Leaf]) -> set[int]:
   """The expert counts the routers labelled so far map to: a router kernel's axis named
-  like experts, else its output axis (the last; the first of a PyTorch `weight`)."""
+  like experts, else its output axis (the last; the first of a PyTorch `weight`). The
+  name counts only on the shorter of the last two axes (E < d in every MoE): a mesh axis
+  called `expert` may shard the router's input width d as well."""
   counts = set()
   for leaf in leaves:
     if leaf.tier != 'router' or len(leaf.shape) < 2 or _kernels.is_vector(leaf.segs):
       continue
     axis = named_expert_axis(leaf)
+    if axis is not None and leaf.shape[axis] != min(leaf.shape[-2:]):
+      axis = None
     counts.add(leaf.shape[axis if axis is not None else
                           0 if leaf.segs[-1] == 'weight' else -1])
   return counts

@@ -1,9 +1,10 @@
 """Tiers from shapes: expert banks and their routers, whatever they are called.
 
 After the name rules, the labeler reads the structure of the tree: the scanned stacks
-and name-free banks that `stacks` finds (a bank beside a router candidate [d, E]), then,
-within one MoE block, leaves beside a router [d, E] whose first unscanned axis is E
-(experts) and a kernel [..., E] beside a bank of E experts (a router).
+and name-free banks that `stacks` finds (a bank beside a router candidate [d, E]), then
+a vector [E] beside a router kernel [d, E] (its bias), then, within one MoE block,
+leaves beside a router [d, E] whose first unscanned axis is E (experts) and a kernel
+[..., E] beside a bank of E experts (a router).
 """
 
 from __future__ import annotations
@@ -122,3 +123,35 @@ def _bank_count(members: list[_paths.Leaf], unit: tuple[str, ...]) -> Optional[i
   leading = {m.core[0] for m in members if len(m.core) >= 2}
   return leading.pop() if len(leading) == 1 else None
 
+
+def bias_kernels(leaves: list[_paths.Leaf]) -> None:
+  """The kernel of a router whose bias [E] a name decided: in the bias's module, with no
+  router kernel there, the one undecided kernel [d, E] ([E, d] for a PyTorch `weight`)
+  mapping a width to the bias's E entries (`{router_bias [E], kt [d, E], w [d, f]}`)."""
+  for bias in [x for x in leaves if x.tier == 'router' and len(x.core) == 1]:
+    e, module = bias.core[0], bias.segs[:-1]
+    beside = [x for x in leaves if x.segs[:-1] == module and len(x.core) == 2]
+    if e < 2 or any(x.tier == 'router' for x in beside):
+      continue
+    found = [x for x in beside if x.tier is None and not _kernels.is_vector(x.segs) and (
+        x.core[0] if x.segs[-1] == 'weight' else x.core[1]) == e and min(x.core) == e
+             and max(x.core) != e]
+    if len(found) == 1:
+      kernel = found[0]
+      kernel.tier, kernel.source, kernel.unit = 'router', 'structure', module
+      kernel.why = f'maps a width to the {e} entries of router bias {bias.path}'
+
+
+def router_vectors(leaves: list[_paths.Leaf]) -> None:
+  """Vectors [E] that nothing decided beside a router kernel [d, E] in its module: the
+  router's (selection) bias, whatever it is called (`{router [d, E], bq [E], experts:
+  [...]}`). Beside a bank's leaves in the same module ([E, d, f]) such a vector may as
+  well be a per-expert scale: it is labelled as a bias, and `unsure` reports it."""
+  for router in [x for x in leaves if x.tier == 'router' and len(x.core) == 2]:
+    e = _router_count(router)
+    if e is None or e < 2:
+      continue
+    for leaf in leaves:
+      if leaf.tier is None and leaf.core == (e,) and leaf.segs[:-1] == router.segs[:-1]:
+        leaf.tier, leaf.source, leaf.unit = 'router', 'structure', router.segs[:-1]
+        leaf.why = f'a vector [{e}] beside router kernel {router.path}: its bias'

@@ -22,7 +22,9 @@ explains) when
   bank if a router candidate sits beside the subtree. (The position may be the last
   axis of a stacked vector, a scale or bias [d, L] beside [d, L, h] as MaxText and
   Linen's `nn.scan(variable_axes={'params': 1})` lay them out; never of a kernel, which
-  may be a router [d, E], nor of a leaf with more axes.)
+  may be a router [d, E], nor of a leaf with more axes.) Vectors with one axis left (a
+  per-expert scale [E] beside [E, d, f]) take no part in finding the position; with
+  them the subtree is a bank only, each vector's length its expert count.
 
 Whatever the subtree is called, a shared position is the layer axis of stacked MoE
 layers when, with it taken away, the leaves still hold a router [d, E] and its bank
@@ -154,17 +156,27 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
             'so which one stacks the layers is unclear; pass batch_axes rules, e.g. '
             f"sj.moe_batch_axes(params, rules=[('{where}/**', ({common[0]},))])")
       continue
-    if any(len(f) < 2 for f in free) or max(len(f) for f in free) < 3:
+    # Vectors with one axis left (a per-expert scale [E] beside the bank's [E, d, f]) do
+    # not say where the shared axis is: it is read from the other leaves, and the subtree
+    # is then a bank only, each vector's length the expert count (a stack's vectors
+    # carry its layer axis too).
+    vectors = [i for i, f in zip(members, free) if len(f) == 1]
+    body = [(i, f) for i, f in zip(members, free) if len(f) != 1]
+    if not body or any(len(f) < 2 for _, f in body) or max(len(f) for _, f in body) < 3:
       continue
     # A stacked or banked leaf keeps its own axes last, so the shared axis is the last
     # axis of no leaf, except of a stacked vector: a scale or bias [d, L] beside [d, L, h]
     # (Linen's `nn.scan(variable_axes={'params': 1})`, MaxText). A kernel [d, n] is not
     # one: it may be a router [d, E] beside banks [.., E, d, f].
-    ndim = min(len(shapes[i]) for i in members)
-    common = [p for p in range(ndim) if p not in known and shapes[members[0]][p] > 1
-              and len({shapes[i][p] for i in members}) == 1
+    first = body[0][0]
+    ndim = min(len(shapes[i]) for i, _ in body)
+    common = [p for p in range(ndim) if p not in known and shapes[first][p] > 1
+              and len({shapes[i][p] for i, _ in body}) == 1
               and all(p != f[-1] or (len(f) == 2 and _kernels.is_vector(segs[i]))
-                      for i, f in zip(members, free))]
+                      for i, f in body)]
+    lengths = {shapes[i][f[0]] for i, f in zip(members, free) if i in vectors}
+    if vectors:
+      common = [p for p in common if lengths == {shapes[first][p]}]
     if not common:
       continue
     inside = set(members)
@@ -172,8 +184,8 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
     if all(tiers[i] == 'experts' for i in members):
       seen.add(key)  # a bank by its names: its expert axis is the experts tier's
       continue
-    layer = _kernels.moe_layer_axis(members, common, segs, shapes, scan, tiers,
-                                    decided_by_name)
+    layer = None if vectors else _kernels.moe_layer_axis(members, common, segs, shapes,
+                                                         scan, tiers, decided_by_name)
     if layer is not None:  # a router and its bank under a shared axis: stacked MoE layers
       seen.add(key)
       _stack(groups, scan, prefix, members, layer, shapes, named=False)
@@ -186,13 +198,14 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
     modules = len({segs[i][:-1] for i in members})
     readings = []
     for p in common:
-      n = shapes[members[0]][p]
-      dims = {shapes[i][q] for i, f in zip(members, free) for q in f if q != p}
+      n = shapes[first][p]
+      dims = {shapes[i][q] for i, f in body for q in f if q != p}
       routers = [] if dense_by_name else _router_candidates(
           prefix[:-1], n, dims, outside, segs, shapes, scan, tiers, decided_by_name)
       if routers:
         readings.append((p, 'bank', routers))
-      elif not any(n in _paths.core_shape(shapes[i], scan[i]) for i in outside):
+      elif not vectors and not any(n in _paths.core_shape(shapes[i], scan[i])
+                                   for i in outside):
         # A length nothing else has: a stack's; in one module, perhaps a bank's too.
         readings.append((p, 'stack' if modules >= 2 else 'lone', []))
     if readings and all(kind == 'lone' for _, kind, _ in readings):
@@ -210,12 +223,12 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
       if kind == 'stack':
         _stack(groups, scan, prefix, members, p, shapes, named=False)
       else:
-        groups.append(Group(prefix, members, p, shapes[members[0]][p], 'bank', False,
+        groups.append(Group(prefix, members, p, shapes[first][p], 'bank', False,
                             routers))
     elif len(readings) > 1:
       seen.add(key)
       where = '/'.join(prefix)
-      said = ', '.join(f'axis {p} ({shapes[members[0]][p]}): '
+      said = ', '.join(f'axis {p} ({shapes[first][p]}): '
                        + ('an expert axis beside router ' + paths[r[0]] if kind == 'bank'
                           else 'a layer axis or an expert axis' if kind == 'lone'
                           else 'a layer axis')

@@ -2,7 +2,8 @@
 
 The findings name the leaves whose tier is a guess (numbered units beside a router
 candidate, subtrees that read as a stack and as a bank alike, rank >= 3 leaves left in
-the default tier, vectors beside a router kernel in a flat module, an expert axis name
+the default tier, vectors beside a router kernel in a flat module (a norm or the
+router's input scale; a router bias or a per-expert scale), an expert axis name
 that the shape confirms on a leaf of another tier, experts without a router or a router
 without experts), with the rules that settle each; `warning.report` turns them into one
 `UnsureLabelWarning` per call (or a `ValueError` when strict).
@@ -126,10 +127,45 @@ def _router_inputs(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
   return lines
 
 
+def _bias_or_scale(leaves: list[_paths.Leaf]) -> list[str]:
+  """Vectors [E] that structure decided in one flat module with a router kernel [d, E]
+  and its bank's leaves [E, ...] (`{q [d, E], s [E], w_in [E, d, f], ...}`): the router's
+  selection bias (router) or a per-expert scale of the bank (experts). No shape tells
+  them apart; they keep the label given and are reported, all in one line (one per
+  layer of a loop would push others out of the warning)."""
+  found: list[tuple[_paths.Leaf, _paths.Leaf]] = []
+  for router in leaves:
+    core = router.core
+    if router.tier != 'router' or len(core) != 2 or _kernels.is_vector(router.segs):
+      continue
+    module, e = router.segs[:-1], min(core)
+    if not any(x.tier == 'experts' and x.segs[:-1] == module and len(x.core) >= 2
+               and x.core[0] == e for x in leaves):
+      continue  # the bank has a module of its own: a vector [E] here is the router's
+    for leaf in leaves:
+      if leaf.segs[:-1] != module or leaf.source != 'structure' or leaf.core != (e,) or (
+          leaf.note or leaf.segs[-1].startswith(router.segs[-1])):
+        continue  # (`w_sel_b` beside `w_sel`: the name says whose bias it is)
+      leaf.note = (f'UNSURE: a vector [{e}] beside router kernel {router.path} and its '
+                   f"bank: its selection bias or a per-expert scale; labelled {leaf.tier!r}")
+      found.append((leaf, router))
+  if not found:
+    return []
+  leaf, router = found[0]
+  other = 'experts' if leaf.tier == 'router' else 'router'
+  shown = ', '.join(f'{x.path} {list(x.shape)} ({x.tier})' for x, _ in found)
+  return [f'{shown}: vectors [E] beside a router kernel [d, E] ({router.path}, ...) and '
+          "the leaves of its bank in one module: the router's selection bias or a "
+          'per-expert scale of the bank, which no name tells apart; labelled as shown; '
+          f'if one is the other, label it, e.g. {_rule_hint(leaf.path, other)}, or '
+          f'confirm it, e.g. {_rule_hint(leaf.path, leaf.tier)}']
+
+
 def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
             found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
-  lines = _unit_findings(leaves, use_axis_names) + _router_inputs(leaves, use_axis_names)
+  lines = (_unit_findings(leaves, use_axis_names) + _bias_or_scale(leaves)
+           + _router_inputs(leaves, use_axis_names))
   counts = _rules.router_counts(leaves)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:

@@ -53,8 +53,10 @@ other axes), plus whether it depends on the inputs, on which routing decisions, 
 its values are expert ids or are zero unless the ids equal a constant (a mask), and
 which leaves its values depend on (all of them, those not only through a router's
 logits, those not only through a mask). Calls are entered (`jit`, `remat`,
-`custom_jvp`/`custom_vjp`, `shard_map`), `scan`/`while` carries are iterated to a fixed
-point and `cond` branches are joined; random keys (typed or legacy) carry no parameter
+`custom_jvp`/`custom_vjp`, `shard_map`; a hijax primitive, `call_hi_primitive`, through
+its expansion), `scan`/`while` carries are iterated to a fixed point and `cond` branches
+are joined; a `triangular_solve` is read as a contraction with the inverse and the
+factorisations keep their batch axes; random keys (typed or legacy) carry no parameter
 information. The analysis runs up to three times: the first
 pass finds the decisions and their routers, the second marks the logits' axes as
 expert-indexed, the third (when a decision dispatches a bank) stops the value

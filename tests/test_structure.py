@@ -727,3 +727,20 @@ def test_a_hijax_primitive_is_entered_through_its_expansion(fail):
                           r'.*test_structure\.py'):
     result = sj.trace_structure(fn, p, X)
   assert result.labels['b'] == 'backbone' and 'call_hi_primitive' in result.undecided['b']
+
+
+def test_layers_applied_by_vmap_are_loud_not_silently_unbatched():
+  def ffn(w, x, comb):
+    return jnp.einsum('te,tef->tf', comb, jnp.einsum('td,edf->tef', x, w))
+
+  def fn(p, x):
+    def layer(q):  # one router per layer: the logits [L, T, E] of the lowered vmap
+      return ffn(q['w'], x * q['g'], _routed(x, x @ q['r']))
+    return jax.vmap(layer)(p).sum(0)
+
+  p = {'g': jnp.zeros((3, D)), 'r': jnp.zeros((3, D, E)), 'w': jnp.zeros((3, E, D, F))}
+  with pytest.warns(sj.UnsureLabelWarning, match='vmap'):
+    result = sj.trace_structure(fn, p, X)
+  # truth: g (0,), r (0,), w (0, 1); the layer axis is no scan's, so none is claimed
+  assert set(result.undecided) == {'g', 'r', 'w'}, result.format()
+  assert 'vmap' in result.undecided['r']

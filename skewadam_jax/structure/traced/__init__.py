@@ -64,7 +64,8 @@ dependences at the logits. A parameter that reaches a primitive with no rule is
 reported as undecided, with a warning naming the primitive and the user's line; so is one
 feeding a selection among parameter values that makes no decision, one the function
 never reads, one producing or meeting the tokens of a decision whose expert axis cannot
-be told (several operand axes come from parameters, none from the inputs), one whose
+be told (several operand axes come from parameters, none from the inputs; logits
+`[L, T, E]` of routers applied by a `vmap` over stacked layers), one whose
 E-long axis meets values routed by a decision that dispatches nothing the analysis can
 see (its expert axis lost), and one masked by several ids with no unit axis. Undecided
 leaves come with a `TraceWarning` (an `sj.UnsureLabelWarning`).

@@ -1,5 +1,7 @@
 """Tests of `sj.trace_structure`: tiers and batch axes read from the traced computation."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -657,3 +659,88 @@ def test_roles_from_the_computation_and_the_hidden_tier_they_give():
   table = {row.path: row.tier for row in sj.label_table(tx, p).rows}
   assert {k for k, t in table.items() if t == 'hidden'} == hidden
   assert table['w1'] == 'experts' and table['r'] == 'router'
+
+
+def test_triangular_solve_keeps_batch_axes_and_other_linear_algebra_is_read():
+  def fn(p, x):  # a chunked delta rule's solve, per expert: [E, T, T] \ [E, T, F]
+    k = x @ p['k']
+    a = jnp.tril(k @ k.T, -1) + jnp.eye(T)
+    hid = jnp.einsum('td,edf->etf', x, p['b'])
+    u = jax.scipy.linalg.solve_triangular(jnp.broadcast_to(a, (E, T, T)), hid, lower=True)
+    v = jax.scipy.linalg.solve_triangular(a, x @ p['v'], lower=True, trans=1)
+    y = jnp.einsum('etf,te->tf', u, _routed(x, x @ p['r'])) + v
+    s = p['s'] @ jnp.swapaxes(p['s'], 1, 2) + jnp.eye(D)
+    extra = (jnp.linalg.cholesky(s).sum() + jnp.linalg.eigh(s)[0].sum()
+             + jnp.linalg.svd(s)[1].sum() + jnp.linalg.qr(s)[1].sum()
+             + jnp.linalg.solve(s, x.T[None]).sum())
+    return y.sum() + extra
+
+  p = {'k': jnp.zeros((D, D)), 'b': jnp.zeros((E, D, F)), 'v': jnp.zeros((D, F)),
+       'r': jnp.zeros((D, E)), 's': jnp.zeros((3, D, D))}
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    result = sj.trace_structure(fn, p, X)
+  assert result.labels == {'k': 'backbone', 'b': 'experts', 'v': 'backbone', 'r': 'router',
+                           's': 'backbone'}
+  assert result.batch_axes['b'] == (0,) and result.undecided == {}
+
+
+def _hi_einsum(spec, *args, fail=False):
+  """`jnp.einsum` as a hijax primitive (`call_hi_primitive`), as jax 0.12 has one."""
+  hijax = pytest.importorskip('jax._src.hijax')
+  base = getattr(hijax, 'HiPrim', None) or getattr(hijax, 'VJPHiPrimitive', None)
+  if base is None:
+    pytest.skip('this jax has no hijax primitives')
+
+  class Einsum(base):
+    def __init__(self, *avals):
+      self.in_avals = avals
+      out = jax.eval_shape(lambda *a: jnp.einsum(spec, *a), *avals)
+      self.out_aval = jax.core.ShapedArray(out.shape, out.dtype)
+      self.params = {'spec': spec, 'fail': fail}
+      super().__init__()
+
+    def expand(self, *operands):
+      if fail:
+        raise NotImplementedError('no expansion')
+      return jnp.einsum(spec, *operands)
+
+  return Einsum(*[jax.core.ShapedArray(a.shape, a.dtype) for a in args])(*args)
+
+
+@pytest.mark.parametrize('fail', [False, True])
+def test_a_hijax_primitive_is_entered_through_its_expansion(fail):
+  def fn(p, x):
+    hid = _hi_einsum('td,edf->tef', x, p['b'], fail=fail)
+    return jnp.einsum('tef,te->tf', hid, _routed(x, x @ p['r']))
+
+  p = {'r': jnp.zeros((D, E)), 'b': jnp.zeros((E, D, F))}
+  if not fail:
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', sj.UnsureLabelWarning)
+      result = sj.trace_structure(fn, p, X)
+    assert result.labels == {'r': 'router', 'b': 'experts'}
+    assert result.batch_axes == {'r': (), 'b': (0,)} and result.undecided == {}
+    return
+  with pytest.warns(sj.UnsureLabelWarning,
+                    match=r'call_hi_primitive \(Einsum: its expansion could not be traced'
+                          r'.*test_structure\.py'):
+    result = sj.trace_structure(fn, p, X)
+  assert result.labels['b'] == 'backbone' and 'call_hi_primitive' in result.undecided['b']
+
+
+def test_layers_applied_by_vmap_are_loud_not_silently_unbatched():
+  def ffn(w, x, comb):
+    return jnp.einsum('te,tef->tf', comb, jnp.einsum('td,edf->tef', x, w))
+
+  def fn(p, x):
+    def layer(q):  # one router per layer: the logits [L, T, E] of the lowered vmap
+      return ffn(q['w'], x * q['g'], _routed(x, x @ q['r']))
+    return jax.vmap(layer)(p).sum(0)
+
+  p = {'g': jnp.zeros((3, D)), 'r': jnp.zeros((3, D, E)), 'w': jnp.zeros((3, E, D, F))}
+  with pytest.warns(sj.UnsureLabelWarning, match='vmap'):
+    result = sj.trace_structure(fn, p, X)
+  # truth: g (0,), r (0,), w (0, 1); the layer axis is no scan's, so none is claimed
+  assert set(result.undecided) == {'g', 'r', 'w'}, result.format()
+  assert 'vmap' in result.undecided['r']

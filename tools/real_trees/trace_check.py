@@ -42,6 +42,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -191,6 +192,16 @@ CASES = {'gemma': gemma_case, 'easydel': easydel_case, 'maxtext': maxtext_case}
 
 # --------------------------------------------------------------------------- scoring
 
+# An installed package's file named from its site-packages directory on: the source
+# lines in the evidence and undecided reasons, without the machine's paths.
+SITE = re.compile(r'(?:/[^\s():"\']+)*/(?:site|dist)-packages/')
+
+
+def portable(obj: Any) -> Any:
+  """`obj` (JSON-able) with each installed file's path relative to its site-packages."""
+  return json.loads(SITE.sub('', json.dumps(obj)))
+
+
 
 def evidence_lines(structure: Any, paths: set[str]) -> list[str]:
   """`Structure.format()`'s header, the rows of `paths`, and its closing lines."""
@@ -235,7 +246,7 @@ def score(library: str, name: str, overrides: tuple[str, ...] = ()) -> dict:
       decisions=[f'{d.primitive} over E={d.num_experts}: router {", ".join(d.routers)}; '
                  f'experts {", ".join(d.experts)}' for d in structure.decisions],
       format=evidence_lines(structure, {w['path'] for w in wrong}))
-  return row
+  return portable(row)
 
 
 def versions(library: str) -> dict[str, str]:
@@ -306,7 +317,7 @@ def write_markdown() -> str:
   results = {}
   for path in sorted(glob.glob(os.path.join(JSON_DIR, '*.json'))):
     with open(path) as f:
-      results[os.path.basename(path)[:-5]] = json.load(f)
+      results[os.path.basename(path)[:-5]] = portable(json.load(f))
   default = [k for k in results if k in CASES]
   variants = [k for k in results if k not in CASES]
   lines = ['## `sj.trace_structure` on the recorded real MoE trees',

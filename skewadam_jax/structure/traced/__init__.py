@@ -53,8 +53,10 @@ other axes), plus whether it depends on the inputs, on which routing decisions, 
 its values are expert ids or are zero unless the ids equal a constant (a mask), and
 which leaves its values depend on (all of them, those not only through a router's
 logits, those not only through a mask). Calls are entered (`jit`, `remat`,
-`custom_jvp`/`custom_vjp`, `shard_map`), `scan`/`while` carries are iterated to a fixed
-point and `cond` branches are joined; random keys (typed or legacy) carry no parameter
+`custom_jvp`/`custom_vjp`, `shard_map`; a hijax primitive, `call_hi_primitive`, through
+its expansion), `scan`/`while` carries are iterated to a fixed point and `cond` branches
+are joined; a `triangular_solve` is read as a contraction with the inverse and the
+factorisations keep their batch axes; random keys (typed or legacy) carry no parameter
 information. The analysis runs up to three times: the first
 pass finds the decisions and their routers, the second marks the logits' axes as
 expert-indexed, the third (when a decision dispatches a bank) stops the value
@@ -62,7 +64,8 @@ dependences at the logits. A parameter that reaches a primitive with no rule is
 reported as undecided, with a warning naming the primitive and the user's line; so is one
 feeding a selection among parameter values that makes no decision, one the function
 never reads, one producing or meeting the tokens of a decision whose expert axis cannot
-be told (several operand axes come from parameters, none from the inputs), one whose
+be told (several operand axes come from parameters, none from the inputs; logits
+`[L, T, E]` of routers applied by a `vmap` over stacked layers), one whose
 E-long axis meets values routed by a decision that dispatches nothing the analysis can
 see (its expert axis lost), and one masked by several ids with no unit axis. Undecided
 leaves come with a `TraceWarning` (an `sj.UnsureLabelWarning`).

@@ -82,6 +82,7 @@ class Analysis:
     # with activations, rows 'gathered', 'aligned' elementwise (the leaves' roles)
     self.uses: dict[tuple[int, str], str] = {}
     self.callers: list[Any] = []  # the equations whose bodies are being run, outermost first
+    self.memo: dict[Any, Any] = {}  # what a rule works out once per equation (an expansion)
 
   # -- decisions
 

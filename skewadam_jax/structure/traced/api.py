@@ -165,7 +165,7 @@ def _warn(analysis: _analysis.Analysis, paths: list[str], undecided: dict[str, s
   for (prim, line), leaves in analysis.unknown.items():
     if leaves:
       warnings.warn(
-          f'sj.trace_structure: no rule for the primitive `{prim}` (at {line}); the '
+          f'sj.trace_structure: no rule reads the primitive `{prim}` (at {line}); the '
           f'{len(leaves)} leaves whose flow crosses it are undecided (labelled backbone) '
           f'unless other evidence decides them: {_names(paths, leaves)}', TraceWarning,
           stacklevel=3)

@@ -59,17 +59,23 @@ for _name in selection.CUMULATIVE:
 RULES['dot_general'] = contraction.dot_general
 RULES['ragged_dot_general'] = contraction.ragged_dot_general
 RULES['conv_general_dilated'] = contraction.conv_general_dilated
+RULES['triangular_solve'] = contraction.triangular_solve
+for _name in contraction.FACTORISATIONS:
+  RULES[_name] = contraction.factorisation
 
 # control flow
 RULES['scan'] = control.scan
 RULES['while'] = control.while_
 RULES['cond'] = control.cond
+RULES['custom_linear_solve'] = control.linear_solve
 
 # calls
 for _name in calls.ENTERED:
   RULES[_name] = calls.call
 for _name in calls.OPAQUE:
   RULES[_name] = calls.opaque_call
+for _name in calls.HIGH:
+  RULES[_name] = calls.hi_primitive
 
 # random keys
 for _name in random.NAMES:

@@ -1,18 +1,24 @@
 """Call rules: calls the analysis enters, calls it cannot, and primitives with no rule.
 
 `jit`/`pjit`, `remat`, `custom_jvp`/`custom_vjp` calls, `shard_map` and other calls
-whose body maps their operands one to one are entered. A call the analysis cannot enter
-(a Pallas kernel, a callback) is read as a grouped matmul when its integer operands
-carry a routing decision; otherwise the parameters reaching it are undecided. A
-primitive with no rule makes every leaf whose flow crosses it undecided, with one
-warning naming it and the user's line (`Analysis.unknown`).
+whose body maps their operands one to one are entered. A hijax primitive
+(`call_hi_primitive`: jax's `HiPrim`, such as `jnp.searchsorted` from jax 0.12) is entered
+through its expansion in lower-level primitives (`expand`), traced once on its operands'
+shapes. A call the analysis cannot enter (a Pallas kernel, a callback) is read as a
+grouped matmul when its integer operands carry a routing decision; otherwise the
+parameters reaching it are undecided. A primitive with no rule (or a hijax primitive
+whose expansion cannot be traced) makes every leaf whose flow crosses it undecided,
+with one warning naming it and the user's line (`Analysis.unknown`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+import jax
 
 from skewadam_jax.core.lazy import jex_core
+from skewadam_jax.core.lazy import source_info_util
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
@@ -26,6 +32,8 @@ ENTERED = ('jit', 'pjit', 'closed_call', 'core_call', 'remat', 'remat2', 'checkp
 # Calls whose body the analysis cannot see.
 OPAQUE = ('pallas_call', 'pure_callback', 'io_callback', 'custom_call', 'ffi_call',
           'debug_callback')
+# Hijax primitives: one primitive whose `_prim` parameter (a `HiPrim`) says what it does.
+HIGH = ('call_hi_primitive',)
 
 
 def sub_jaxpr(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
@@ -50,6 +58,47 @@ def call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   if sub is None:
     return no_rule(an, eqn, ins)
   return an.run(sub[0], ins, sub[1])
+
+
+def expansion(eqn: Any) -> Union[tuple[Any, list[Any]], str]:
+  """(jaxpr, consts) of a hijax primitive's expansion in lower-level primitives, traced on
+  its operands' shapes and dtypes (the flat operands and results, as the equation has
+  them); or why it cannot be had.
+
+  The equations of the expansion carry the hijax primitive's source line, so that what
+  the analysis reports inside it names the user's line.
+  """
+  prim = eqn.params.get('_prim')
+  name = type(prim).__name__
+  try:
+    in_tree, out_tree = prim.in_tree, prim.out_tree
+
+    def flat(*args: Any) -> list[Any]:
+      return list(out_tree.flatten_up_to(prim.expand(*in_tree.unflatten(args))))
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=eqn.source_info.name_stack):
+      closed = jax.make_jaxpr(flat)(*avals)
+  except Exception as e:  # pylint: disable=broad-except  # any failure: loud, not fatal
+    return f'{name}: its expansion could not be traced ({type(e).__name__})'
+  jaxpr = closed.jaxpr
+  if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+    return f'{name}: its expansion does not map its operands and results one to one'
+  return jaxpr, list(closed.consts)
+
+
+@_analysis.follows_bodies
+def hi_primitive(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """A hijax primitive: the facts of its expansion (traced once per equation); one whose
+  expansion cannot be traced is read as a primitive with no rule."""
+  key = ('expansion', id(eqn))
+  if key not in an.memo:
+    an.memo[key] = expansion(eqn)
+  got = an.memo[key]
+  if isinstance(got, str):
+    return an.depend(eqn, ins, unreadable(an, eqn, ins, got))
+  return an.run(got[0], ins, got[1])
 
 
 def opaque_call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
@@ -88,14 +137,25 @@ def no_rule(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   return an.depend(eqn, ins, unreadable(an, eqn, ins))
 
 
-def unreadable(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def unreadable(an: _analysis.Analysis, eqn: Any, ins: list[Info], why: str = ''
+               ) -> list[Info]:
   """Records the leaves whose flow crosses an equation no rule can read (for the
-  warning and the undecided reasons); its outputs carry no parameter axis."""
+  warning and the undecided reasons); its outputs carry no parameter axis.
+
+  Args:
+    an: the analysis.
+    eqn: the equation.
+    ins: its operands' facts.
+    why: why it cannot be read, beside the primitive's name ('' : it has no rule).
+  """
   prim, line = eqn.primitive.name, an.line(eqn)
+  if why:
+    prim = f'{prim} ({why})'
   leaves = {leaf for x in ins for t in x.axes for leaf, _ in _info.params_of(t)}
   leaves |= {leaf for x in ins for leaf in x.deps}
   an.unknown.setdefault((prim, line), set()).update(leaves)
   for leaf in leaves:
-    an.opaque.setdefault(leaf, set()).add(f'{prim} (at {line}; no rule)')
+    an.opaque.setdefault(leaf, set()).add(f'{prim} (at {line}; no rule)' if not why
+                                          else f'{prim} (at {line})')
   data, routed = _info.common(ins)
   return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]

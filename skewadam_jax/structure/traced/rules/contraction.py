@@ -1,9 +1,14 @@
-"""Contraction rules: `dot_general`, `ragged_dot`, convolutions.
+"""Contraction rules: `dot_general`, `ragged_dot`, convolutions, linear algebra.
 
 An expert bank's axis of length E meets an expert-indexed axis here: a `dot_general`
 batch dimension shared with tokens dispatched by a decision, a batch or contracting
 dimension shared with an axis that indexes experts (the router's logits, a one-hot or
 scattered combine weights), or the group axis of a `ragged_dot`.
+
+`triangular_solve(a, b)` is read as the product of `a`'s inverse with `b`: batch axes
+shared, `a`'s inner axis contracted with `b`'s solved axis. The factorisations
+(`cholesky`, `lu`, `qr`, `eigh`, `svd`) keep their operand's batch axes; what they
+compute within each matrix mixes both of its axes, which no output axis keeps.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
 
 Info = _info.Info
+
+# Matrix factorisations over the last two axes (batched over the others).
+FACTORISATIONS = ('cholesky', 'lu', 'qr', 'eigh', 'svd')
 
 
 def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
@@ -89,3 +97,51 @@ def conv_general_dilated(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> l
   axes[ospec[1]] = rhs.axes[rspec[0]]
   data, routed = _info.common(ins)
   return [Info(tuple(axes), data, routed, last=_contracted(an, eqn, lhs, rhs, rspec[1:]))]
+
+
+def triangular_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """`x = solve(a, b)` (`a x = b`, or `x a = b` without `left_side`): `b`'s shape.
+
+  The leading axes of `a` and `b` are batch axes (joined, as a `dot_general`'s); `x`'s
+  solved axis (its rows with `left_side`, else its columns) is `a`'s outer axis (the one
+  `op(a)` keeps, `op` transposing when `transpose_a`), and `a`'s inner axis is contracted
+  with `b`'s solved axis. Its values depend on both operands.
+  """
+  a, b = ins[0], ins[1]
+  p = eqn.params
+  n = len(b.axes)
+  solved = n - 2 if p['left_side'] else n - 1
+  # op(a) x = b: x's solved axis runs along op(a)'s columns, contracted with b's
+  # solved axis along op(a)'s rows (x op(a) = b: the other way round).
+  rows, cols = (n - 1, n - 2) if p['transpose_a'] else (n - 2, n - 1)
+  outer, inner = (cols, rows) if p['left_side'] else (rows, cols)
+  axes = list(b.axes)
+  for d in range(n - 2):
+    why = 'batch dim of a triangular_solve with dispatched tokens'
+    an.meet(a.axes[d], b.axes[d], True, why)
+    an.meet(b.axes[d], a.axes[d], True, why)
+    axes[d] = a.axes[d] | b.axes[d]
+  why = 'contracted with expert-indexed values (triangular_solve)'
+  an.meet(a.axes[inner], b.axes[solved], False, why)
+  an.meet(b.axes[solved], a.axes[inner], False, why)
+  an.near_routed(a.axes[inner], b)
+  an.near_routed(b.axes[solved], a)
+  axes[solved] = a.axes[outer]
+  data, routed = _info.common(ins)
+  last = _contracted(an, eqn, b, a, (inner,)) or _contracted(an, eqn, a, b, (solved,))
+  return [Info(tuple(axes), data, routed, last=last)]
+
+
+def factorisation(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """`cholesky`, `lu`, `qr`, `eigh`, `svd`: each output keeps the operand's batch axes
+  (all but its last two); its other axes carry no parameter axis (a factor mixes both
+  axes of each matrix)."""
+  del an
+  x = ins[0]
+  batch = x.axes[:len(x.axes) - 2]
+  outs = []
+  for v in eqn.outvars:
+    rank = len(_info.shape_of(v))
+    axes = batch[:rank] + (_info.EMPTY,) * max(0, rank - len(batch))
+    outs.append(Info(axes, x.data, x.routed))
+  return outs

@@ -1,6 +1,7 @@
 """Control-flow rules: `scan`, `while`, `cond` enter their bodies.
 
-Carries are iterated to a fixed point and `cond` branches are joined. **Scanned layers**
+Carries are iterated to a fixed point and `cond` branches are joined; a
+`custom_linear_solve` (`jnp.linalg.solve`) runs its `solve` body. **Scanned layers**
 are parameters consumed (whatever the layout ops on the way) as the `xs` of a `scan`
 that reads no input data: the scanned axis, mapped back to the parameter's own axis, is
 a batch axis, one per nesting level.
@@ -100,3 +101,17 @@ def cond(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
                      deps=o.deps | index.deps, free=o.free | index.free,
                      open=o.open | index.open)
           for o in outs or []]
+
+
+def linear_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+  """`custom_linear_solve`: the axes its `solve` body gives the right-hand side; the
+  values depend on every operand (the matrix that `matvec` closes over too)."""
+  lengths, jaxprs = eqn.params['const_lengths'], eqn.params['jaxprs']
+  start = lengths.matvec + lengths.vecmat
+  jaxpr, consts = closed(jaxprs.solve)
+  outs = an.run(jaxpr, ins[start:start + lengths.solve] + ins[sum(lengths):], consts)
+  if len(outs) != len(eqn.outvars):
+    data, routed = _info.common(ins)
+    return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed)
+            for v in eqn.outvars]
+  return outs

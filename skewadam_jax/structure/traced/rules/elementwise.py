@@ -21,9 +21,10 @@ NAMES = (
     'abs', 'acos', 'acosh', 'add', 'and', 'asin', 'asinh', 'atan', 'atan2', 'atanh',
     'bessel_i0e', 'bessel_i1e', 'cbrt', 'ceil', 'clamp', 'clz', 'complex', 'conj',
     'convert_element_type', 'copy', 'copy_p', 'cos', 'cosh', 'digamma', 'div', 'eq', 'erf',
-    'erf_inv', 'erfc', 'exp', 'exp2', 'expm1', 'floor', 'ge', 'gt', 'igamma',
-    'igamma_grad_a', 'igammac', 'imag', 'integer_pow', 'is_finite', 'le', 'lgamma', 'log',
-    'log1p', 'logistic', 'lt', 'max', 'min', 'mul', 'ne', 'neg', 'nextafter', 'not', 'or',
+    'eq_to', 'erf_inv', 'erfc', 'exp', 'exp2', 'expm1', 'floor', 'ge', 'gt', 'igamma',
+    'igamma_grad_a', 'igammac', 'imag', 'integer_pow', 'is_finite', 'le', 'le_to', 'lgamma',
+    'log', 'log1p', 'log2', 'logistic', 'lt', 'lt_to', 'max', 'min', 'mul', 'mulhi', 'ne',
+    'neg', 'nextafter', 'not', 'one_minus_square', 'or',
     'polygamma', 'population_count', 'pow', 'random_gamma_grad', 'real',
     'reduce_precision', 'regularized_incomplete_beta', 'rem', 'round', 'rsqrt',
     'select_n', 'shift_left', 'shift_right_arithmetic', 'shift_right_logical', 'sign',
@@ -40,7 +41,8 @@ ID_PRESERVING = frozenset({
     'add', 'sub', 'max', 'min', 'clamp', 'select_n', 'convert_element_type', 'copy',
     'copy_p', 'rem', 'stop_gradient', 'reduce_precision', 'pvary', 'optimization_barrier',
     'name'})
-COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge'})
+# (`eq_to`, `lt_to`, `le_to`: jax >= 0.12's total-order comparisons, as in searchsorted)
+COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge', 'eq_to', 'lt_to', 'le_to'})
 
 
 def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:

@@ -46,7 +46,17 @@ def decide_along(an: _analysis.Analysis, eqn: Any, prim: str, operand: Info, axi
 
   others = [a for a in range(len(shape)) if a != axis and clean(a) and shape[a] > 1]
   unclear = ''
-  if clean(axis):
+  if clean(axis) and others:
+    # Logits with more parameter axes (`[L, T, E]`: routers stacked and applied at once,
+    # a `vmap` over layers lowered into the jaxpr): one decision per slice, batched over
+    # axes no `scan` shows; which of its leaves' axes are batch axes cannot be told.
+    expert, ids = None, False
+    unclear = (f'axes {_info.axis_list(others)} of its operand come from parameters '
+               f'besides the expert axis {axis}, none from the inputs: one decision per '
+               'slice (stacked layers or routers applied by a vmap?), whose batch axes '
+               'cannot be told')
+    others = [axis] + others
+  elif clean(axis):
     expert, ids = axis, True
   elif len(others) == 1:
     expert, ids = others[0], False

@@ -576,6 +576,8 @@ _SHARDED_EXPECTED = {'attn/key/kernel': ('backbone', ()), 'attn/out/kernel': ('b
                      'router/kernel': ('router', ())}
 
 
+@pytest.mark.skipif(not hasattr(nnx, 'use_eager_sharding'),
+                    reason='NNX sharding metadata as built here needs Flax >= 0.11')
 @pytest.mark.parametrize('use_axis_names', [False, True])
 def test_sharding_names_are_hints_not_structure(use_axis_names):
   """A mesh axis called `expert` on dense weights (embedding, attention, output layer)

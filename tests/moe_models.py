@@ -93,6 +93,22 @@ def nnx_lm_loss(model: NNXMoELM, tokens: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
 
+def train_nnx(tx, steps: int = 20):
+  """Trains `NNXMoELM` on the copy task through `nnx.Optimizer(model, tx)`, jitted;
+  returns the losses and the optimizer."""
+  model = NNXMoELM(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  tokens = copy_task_batch()
+
+  @nnx.jit
+  def train_step(model, optimizer, tokens):
+    loss, grads = nnx.value_and_grad(nnx_lm_loss)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+  return [float(train_step(model, optimizer, tokens)) for _ in range(steps)], optimizer
+
+
 def copy_task_batch(seed: int = 0, batch: int = 8, length: int = 12) -> jax.Array:
   """Tokens of a learnable task: a short pattern repeated."""
   rng = np.random.default_rng(seed)

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import skewadam_jax as sj
 import moe_models as mm
@@ -108,17 +107,7 @@ def test_router_tier_is_not_decayed():
 
 @pytest.mark.parametrize('name', FACTORIES)
 def test_nnx_optimizer_trains_an_moe_model(name):
-  model = mm.NNXMoELM(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, FACTORIES[name](learning_rate=1e-2), wrt=nnx.Param)
-  tokens = mm.copy_task_batch()
-
-  @nnx.jit
-  def train_step(model, optimizer, tokens):
-    loss, grads = nnx.value_and_grad(mm.nnx_lm_loss)(model, tokens)
-    optimizer.update(model, grads)
-    return loss
-
-  losses = [float(train_step(model, optimizer, tokens)) for _ in range(20)]
+  losses, optimizer = mm.train_nnx(FACTORIES[name](learning_rate=1e-2))
   assert losses[-1] < 0.7 * losses[0], losses
   if name == 'skewadam':
     state = optimizer.opt_state[0]  # one state for every tier, one step count

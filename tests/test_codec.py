@@ -458,17 +458,7 @@ def test_a_gradient_of_another_shape_is_refused_against_the_coded_momentum():
 
 
 def test_nnx_optimizer_trains_with_coded_momentum():
-  model = mm.NNXMoELM(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, _tx_coded(), wrt=nnx.Param)
-  tokens = mm.copy_task_batch()
-
-  @nnx.jit
-  def train_step(model, optimizer, tokens):
-    loss, grads = nnx.value_and_grad(mm.nnx_lm_loss)(model, tokens)
-    optimizer.update(model, grads)
-    return loss
-
-  losses = [float(train_step(model, optimizer, tokens)) for _ in range(20)]
+  losses, optimizer = mm.train_nnx(_tx_coded())
   assert losses[-1] < 0.7 * losses[0], losses
   state = optimizer.opt_state[0]
   pure = getattr(nnx, 'as_pure', None) or nnx.pure

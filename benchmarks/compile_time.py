@@ -59,6 +59,8 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     'skewadam': lambda: sj.skewadam(LR, weight_decay=WD),
     'skewadam-adam-eps-tiers': lambda: sj.skewadam(LR, weight_decay=WD, tiers=sj.ADAM_EPS_TIERS),
     'skewadam-muon-tiers': lambda: sj.skewadam(LR, weight_decay=WD, tiers=sj.MUON_TIERS),
+    'skewadam-muon-coded-tiers': lambda: sj.skewadam(LR, weight_decay=WD,
+                                                     tiers=sj.MUON_CODED_TIERS),
     'adampm': lambda: sj.adampm(LR, weight_decay=WD, group_size=8),
 }
 LABELS = {
@@ -66,6 +68,7 @@ LABELS = {
     'skewadam': 'SkewAdam (published tiers)',
     'skewadam-adam-eps-tiers': 'SkewAdam (ADAM_EPS_TIERS)',
     'skewadam-muon-tiers': 'SkewAdam (MUON_TIERS)',
+    'skewadam-muon-coded-tiers': 'SkewAdam (MUON_CODED_TIERS)',
     'adampm': 'AdamPM (s = 8)',
 }
 

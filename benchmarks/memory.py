@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import _common
 from _common import GIB, RESULTS
@@ -166,6 +166,19 @@ def _skewadam_variant(**expert_or_backbone: sj.Tier) -> optax.GradientTransforma
   return sj.skewadam(LR, tiers=tiers)
 
 
+def _codes(bits: Optional[int]) -> Optional[sj.Blockwise]:
+  return None if bits is None else sj.Blockwise(bits, {8: 256, 4: 64}[bits], 'linear',
+                                                fit='nearest')
+
+
+def _coded(hidden_bits: Optional[int], expert_bits: Optional[int]) -> dict[str, sj.Tier]:
+  """`MUON_CODED_TIERS` with the hidden and expert momentum in other codes (None: fp32)."""
+  tiers = dict(sj.MUON_CODED_TIERS)
+  tiers['hidden'] = tiers['hidden'].replace(mu_codec=_codes(hidden_bits))
+  tiers['experts'] = tiers['experts'].replace(mu_codec=_codes(expert_bits))
+  return tiers
+
+
 # name -> (label, factory, float32 state?). "float32 state" optimizers are initialised on
 # a float32 copy of the parameters (see the module docstring).
 OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], bool]] = {
@@ -187,6 +200,17 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
         'SkewAdam, experts grouped (s = 8) instead of factored',
         lambda: _skewadam_variant(experts=sj.PUBLISHED_TIERS['experts'].replace(
             second_moment='grouped', group_size=8)), False),
+    'muon-tiers': ('SkewAdam MUON_TIERS (no expert momentum)',
+                   lambda: sj.skewadam(LR, tiers=sj.MUON_TIERS), True),
+    'muon-tiers-fp32-expert-momentum': (
+        'MUON_CODED_TIERS with fp32 momentum (no codes)',
+        lambda: sj.skewadam(LR, tiers=_coded(None, None)), True),
+    'muon-coded-8bit': ('MUON_CODED_TIERS, 8-bit momentum everywhere (blocks of 256)',
+                        lambda: sj.skewadam(LR, tiers=_coded(8, 8)), True),
+    'muon-coded': ('MUON_CODED_TIERS (8-bit hidden, 4-bit experts)',
+                   lambda: sj.skewadam(LR, tiers=sj.MUON_CODED_TIERS), True),
+    'muon-coded-4bit': ('MUON_CODED_TIERS, 4-bit momentum everywhere (blocks of 64)',
+                        lambda: sj.skewadam(LR, tiers=_coded(4, 4)), True),
 }
 
 
@@ -197,7 +221,9 @@ def to_f32(params: Any) -> Any:
 def measure(params: Any, name: str) -> dict[str, Any]:
   label, make, f32_state = OPTIMIZERS[name]
   tx = make()
-  report = sj.memory_report(tx, to_f32(params) if f32_state else params)
+  # Grouped by the same labels for every optimizer, the hidden matrices on their own.
+  report = sj.memory_report(tx, to_f32(params) if f32_state else params,
+                            param_labels=sj.hidden_param_labels)
   default_bytes = sj.optimizer_state_bytes(tx, params)  # optax defaults on bf16 params
   n = report.total_params
   return {
@@ -214,7 +240,7 @@ def run(model_names: list[str]) -> dict[str, Any]:
   out = {}
   for m in model_names:
     params = MODELS[m]()
-    rep = sj.memory_report(optax.identity(), params)
+    rep = sj.memory_report(optax.identity(), params, param_labels=sj.hidden_param_labels)
     tiers = {t.tier: {'params': t.params, 'param_bytes': t.param_bytes} for t in rep.tiers}
     t0 = time.perf_counter()
     rows = {name: measure(params, name) for name in OPTIMIZERS}
@@ -260,7 +286,8 @@ def markdown(res: dict[str, Any]) -> str:
     tiers = ', '.join(f"{k} {v['params']:,}" for k, v in r['tiers'].items())
     parts += [f"### {m}: {r['params']:,} parameters ({r['param_bytes'] / GIB:.2f} GiB of "
               f'weights)', '', f'Parameters per tier: {tiers}.', '']
-    header = ['optimizer', 'state bytes', 'GiB', 'B/param', 'backbone', 'experts', 'router',
+    header = ['optimizer', 'state bytes', 'GiB', 'B/param', 'of AdamW', 'backbone', 'hidden',
+              'experts', 'router',
               'optax defaults on bf16 (GiB)', 'published']
     rows = []
     for name, o in r['optimizers'].items():
@@ -268,8 +295,9 @@ def markdown(res: dict[str, Any]) -> str:
       t = o['by_tier']
       rows.append([o['label'], f"{o['state_bytes']:,}", f"{o['state_gib']:.3f}",
                    f"{o['bytes_per_param']:.3f}",
+                   f"{o['state_bytes'] / r['optimizers']['adamw']['state_bytes']:.1%}",
                    *(f"{t[k] / GIB:.3f}" if k in t else '-'
-                     for k in ('backbone', 'experts', 'router')),
+                     for k in ('backbone', 'hidden', 'experts', 'router')),
                    f"{o['state_bytes_optax_defaults_on_bf16'] / GIB:.3f}", pub])
     parts += [_common.markdown_table(header, rows), '']
   return '\n'.join(parts)

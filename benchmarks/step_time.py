@@ -73,7 +73,7 @@ LABELS = {
     'skewadam': 'SkewAdam (published tiers)',
     'adampm': 'AdamPM (s = 8)',
     'skewadam-muon': 'SkewAdam (MUON_TIERS)',
-    'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS, 8-bit momentum)',
+    'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS: 8-bit hidden, 4-bit experts)',
     'skewadam-muon-expert-momentum': 'SkewAdam (MUON_CODED_TIERS with fp32 momentum)',
 }
 

@@ -586,13 +586,15 @@ def test_orbax_checkpoint_of_coded_momentum_resumes_bitwise(multi_device):
 # ----------------------------------------------------------------------- MUON_CODED_TIERS
 
 
-def test_muon_coded_tiers_keep_per_expert_nesterov_momentum_in_8_bit_codes():
+def test_muon_coded_tiers_keep_per_expert_nesterov_momentum_in_low_bit_codes():
   tiers = sj.MUON_CODED_TIERS
   assert set(tiers) == {'backbone', 'hidden', 'experts', 'router'}
-  for name in ('hidden', 'experts'):
+  codecs = {'hidden': sj.Blockwise(8, 256, 'linear', fit='nearest'),
+            'experts': sj.Blockwise(4, 64, 'linear', fit='nearest')}
+  for name, codec in codecs.items():
     tier = tiers[name]
     assert tier.momentum and tier.nesterov and tier.b1 == 0.95
-    assert tier.mu_codec == sj.Blockwise(8, 256, 'linear')
+    assert tier.mu_codec == codec
     assert isinstance(tier.estimator, sj.Orthogonal) and tier.clip_threshold is None
   assert tiers['backbone'] == sj.PUBLISHED_TIERS['backbone']
   assert tiers['router'] == sj.ADAM_ROUTER_TIERS['router']
@@ -649,8 +651,30 @@ def test_muon_coded_tiers_state_on_the_published_moe():
   params = paper_params()
   report = sj.memory_report(sj.skewadam(3e-4, tiers=sj.MUON_CODED_TIERS), params)
   by_tier = {t.tier: t.state_bytes for t in report.tiers}
-  experts = 6_442_450_944  # parameters: one 8-bit code each, one float32 per 256
-  assert by_tier['experts'] == experts + 4 * experts // 256
+  experts = 6_442_450_944  # parameters: half a byte each (4 bits), one float32 per 64
+  assert by_tier['experts'] == experts // 2 + 4 * experts // 64
   assert by_tier['router'] == 2 * 4 * D * E
-  assert report.total_state_bytes == 7_512_561_152  # 13.8% of AdamW's 54,274,621,440 B
-  assert report.total_state_bytes / 54_274_621_440 < 0.139
+  assert report.total_state_bytes == 4_593_325_568  # 8.5% of AdamW's 54,274,621,440 B
+  assert report.total_state_bytes / 54_274_621_440 < 0.085
+
+
+def test_nearest_fit_gives_every_width_a_block_and_exact_fit_refuses():
+  # DeepSeek-MoE's dense width 10944 = 2^6 3^2 19 is no multiple of 256 nor 256 of it:
+  # 'exact' refuses the leaf, naming the sizes that fit; 'nearest' takes 228 (log-nearest
+  # to 256 of the fitting sizes; 288 is the next one up) and round-trips within its bound.
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 10944)), jnp.float32)
+  with pytest.raises(ValueError, match='Allowed block sizes for this leaf'):
+    sj.Blockwise(8, 256).for_leaf(x.shape).init(x, 'w')
+  codec = sj.Blockwise(8, 256, fit='nearest').for_leaf(x.shape)
+  coded = codec.encode(x)
+  assert coded.scales.shape == (4, 10944 // 228)
+  err = np.abs(np.asarray(codec.decode(coded)) - np.asarray(x)).reshape(4, -1, 228)
+  bound = np.abs(np.asarray(x)).reshape(4, -1, 228).max(-1, keepdims=True) / 254
+  assert np.all(err <= bound * (1 + 1e-6))
+  # A width that fits is unchanged: the same codes as 'exact'.
+  y = x[:, :256 * 42]
+  a = sj.Blockwise(8, 256).for_leaf(y.shape).encode(y)
+  b = sj.Blockwise(8, 256, fit='nearest').for_leaf(y.shape).encode(y)
+  assert np.array_equal(a.codes, b.codes) and np.array_equal(a.scales, b.scales)
+  with pytest.raises(ValueError, match='`fit`'):
+    sj.Blockwise(8, 256, fit='pad')

@@ -344,3 +344,32 @@ def test_example_optimizers_of_the_muon_tiers(name):
   stateless = name.endswith('orthogonal-experts')
   assert experts and all((r.state_bytes == 0) == stateless for r in experts)
   assert info['lr'] == 1e-3
+
+
+def test_leaves_of_one_matrix_shape_share_one_newton_schulz_iteration():
+  # `scale_by_tiers` orthogonalises every leaf of one [R, C] (after the batch axes) in
+  # one batched iteration: a bank [E, 12, 20], two [12, 20] matrices and the same
+  # shape reached through a transposed layout. Per matrix the operations are those of a
+  # separate call, so the updates match leaf-by-leaf transforms within 8 ulp, and the
+  # traced update holds 3 dots per iteration per shape (here two shapes), not per leaf.
+  from ulp import assert_within_ulp
+  shapes = {'bank': (4, 12, 20), 'a': (12, 20), 'b': (12, 20), 'tall': (20, 12),
+            'c': (10, 24)}
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
+  axes = {'bank': (0,), 'a': (), 'b': (), 'tall': (), 'c': ()}
+  tx = sj.scale_by_tiered_adam(tier=HIDDEN, batch_axes=axes)
+  state = tx.init(params)
+  singles = {k: sj.scale_by_tiered_adam(tier=HIDDEN, batch_axes={k: axes[k]}) for k in shapes}
+  single_states = {k: t.init({k: params[k]}) for k, t in singles.items()}
+  for step in range(3):
+    grads = {k: jnp.asarray(_grads(step, s) + i, jnp.float32)
+             for i, (k, s) in enumerate(shapes.items())}
+    u, state = tx.update(grads, state)
+    for k in shapes:
+      want, single_states[k] = singles[k].update({k: grads[k]}, single_states[k])
+      assert_within_ulp(np.asarray(u[k]), np.asarray(want[k]), np.float32,
+                        err_msg=f'{k} at step {step}')
+  jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s))(grads, state)
+  dots = sum(e.primitive.name == 'dot_general' for e in jaxpr.eqns)
+  # [12, 20] and [20, 12] are distinct shapes; [10, 24] a third: 3 calls x 5 x 3 dots.
+  assert dots == 3 * sj.Orthogonal().ns_steps * 3, dots

@@ -32,11 +32,13 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-expert-momentum`: a diagnostic of the gap to Muon: `sj.MUON_TIERS` with
   the experts as Muon treats them (fp32 Nesterov momentum, b1 0.95, orthogonalised per
   expert), for an fp32 momentum of every expert matrix (above 1/10 of AdamW's state).
-* `skewadam-muon-coded`: `sj.MUON_CODED_TIERS`: the same expert momentum, it and the
-  hidden tier's momentum stored as 8-bit linear blockwise codes (blocks of 256).
-* `skewadam-muon-coded-4bit`: the same with 4-bit linear codes in blocks of 64.
-* `skewadam-muon-coded-4bit-experts`: 4-bit codes (blocks of 64) on the experts only,
-  8-bit on the hidden tier.
+* `skewadam-muon-coded-4bit-experts`: `sj.MUON_CODED_TIERS`: the same expert momentum,
+  stored as 4-bit linear blockwise codes (blocks of 64), and the hidden tier's momentum
+  as 8-bit codes (blocks of 256).
+* `skewadam-muon-coded-8bit`: the same with 8-bit codes (blocks of 256) on both.
+* `skewadam-muon-coded-4bit`: the same with 4-bit codes (blocks of 64) on both.
+* any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
+  (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
   pooled along the second-to-last axis: the input axis of `[in, out]` kernels and
   `[E, in, out]` expert banks; 1-D leaves along their only axis), `adafactor`
@@ -57,6 +59,7 @@ conventional 0.02 for the orthogonalised matrices and 3e-4 (Adam) for the rest.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import jax
@@ -80,9 +83,17 @@ OPTIMIZERS = (
     'skewadam-adam-eps-router-momentum-exact-backbone',
     'skewadam-floor-backbone-router-momentum', 'skewadam-router-adam-eps',
     'skewadam-router-adam-eps-momentum', 'skewadam-muon', 'skewadam-muon-orthogonal-experts',
-    'skewadam-muon-expert-momentum', 'skewadam-muon-coded', 'skewadam-muon-coded-4bit',
+    'skewadam-muon-expert-momentum', 'skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit',
     'skewadam-muon-coded-4bit-experts',
 )
+# The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
+# of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
+# `backbone` and `router` tiers (the orthogonalised tiers keep the lr).
+ADAM_SCALES = (0.3, 0.1)
+_SCALABLE = ('skewadam-muon-orthogonal-experts', 'skewadam-muon-expert-momentum',
+             'skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit',
+             'skewadam-muon-coded-4bit-experts')
+OPTIMIZERS += tuple(f'{b}-adam{s}' for b in _SCALABLE for s in ADAM_SCALES)
 DEFAULT_LR = {
     'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adampm-input-axis': ADAM_LR, 'adamw': ADAM_LR,
     'adafactor': ADAM_LR,
@@ -94,9 +105,10 @@ DEFAULT_LR = {
     'skewadam-floor-backbone-router-momentum': ADAM_LR,
     'skewadam-router-adam-eps': ADAM_LR, 'skewadam-router-adam-eps-momentum': ADAM_LR,
     'skewadam-muon': ADAM_LR, 'skewadam-muon-orthogonal-experts': ADAM_LR,
-    'skewadam-muon-expert-momentum': ADAM_LR, 'skewadam-muon-coded': ADAM_LR,
+    'skewadam-muon-expert-momentum': ADAM_LR, 'skewadam-muon-coded-8bit': ADAM_LR,
     'skewadam-muon-coded-4bit': ADAM_LR, 'skewadam-muon-coded-4bit-experts': ADAM_LR,
 }
+DEFAULT_LR.update({n: ADAM_LR for n in OPTIMIZERS if n not in DEFAULT_LR})
 # The best peak lr of the main job's two optimizers in `benchmarks/quality.py`'s
 # 2000-step sweep (the same lr grid, refinement and seeds for every optimizer; its
 # report, benchmarks/results/quality_sweep/report_steps2000.json, is checked against
@@ -111,6 +123,10 @@ def default_lr(name: str) -> float:
 
 def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   """The tier policy of `skewadam` or one of its ablations."""
+  scaled = re.fullmatch(r'(.+)-adam([0-9.]+)', name)
+  if scaled:
+    base, scale = skewadam_tiers(scaled.group(1)), float(scaled.group(2))
+    return dict(base, **{k: base[k].replace(lr_scale=scale) for k in ('backbone', 'router')})
   pub = dict(sj.PUBLISHED_TIERS)
   if name == 'skewadam':
     return pub
@@ -133,13 +149,13 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   if name == 'skewadam-muon-expert-momentum':  # the experts as Muon treats them
     return dict(sj.MUON_TIERS, experts=sj.MUON_TIERS['hidden'].replace(
         second_moment=sj.Orthogonal(fallback=sj.Factored())))
-  if name == 'skewadam-muon-coded':  # the shipped `sj.MUON_CODED_TIERS`
+  if name == 'skewadam-muon-coded-4bit-experts':  # the shipped `sj.MUON_CODED_TIERS`
     return dict(sj.MUON_CODED_TIERS)
-  if name in ('skewadam-muon-coded-4bit', 'skewadam-muon-coded-4bit-experts'):
+  if name in ('skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit'):
     coded = sj.MUON_CODED_TIERS
-    where = ('experts',) if name.endswith('-experts') else ('hidden', 'experts')
-    return dict(coded, **{k: coded[k].replace(mu_codec=sj.Blockwise(4, 64, 'linear'))
-                          for k in where})
+    codec = (sj.Blockwise(8, 256, 'linear', fit='nearest') if name.endswith('8bit')
+             else sj.Blockwise(4, 64, 'linear', fit='nearest'))
+    return dict(coded, **{k: coded[k].replace(mu_codec=codec) for k in ('hidden', 'experts')})
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':

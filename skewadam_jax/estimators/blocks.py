@@ -98,18 +98,19 @@ def block_extents(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
   return tuple(extents) if rest == 1 else None
 
 
+@functools.lru_cache(maxsize=1024)
 def fitting_block_sizes(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
-                        even: bool = False) -> list[int]:
+                        even: bool = False) -> tuple[int, ...]:
   """Every block size that fits a leaf (`block_extents` not None), ascending; `even`:
-  only even ones (4-bit codes)."""
+  only even ones (4-bit codes). Cached: a model repeats few shapes."""
   layout = _base.Layout.of(len(shape), batch_axes)
   size = layout.matrix_size(shape)
   divisors = set()
   for d in range(1, math.isqrt(size) + 1):
     if size % d == 0:
       divisors.update((d, size // d))
-  return sorted(d for d in divisors if (not even or d % 2 == 0)
-                and block_extents(shape, batch_axes, d) is not None)
+  return tuple(sorted(d for d in divisors if (not even or d % 2 == 0)
+                      and block_extents(shape, batch_axes, d) is not None))
 
 
 def split_shape(shape: tuple[int, ...], extents: tuple[int, ...]) -> tuple[int, ...]:

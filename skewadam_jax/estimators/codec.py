@@ -59,6 +59,7 @@ from skewadam_jax.estimators import blocks as _blocks
 
 MAPPINGS = ('linear', 'dynamic')
 BITS = (4, 8)
+FITS = ('exact', 'nearest')
 MAX_LISTED_SIZES = 12  # block sizes an error lists before it says how many more fit
 
 
@@ -124,6 +125,11 @@ class Blockwise(StateCodec):
       divides it or covers it whole (`init` lists the sizes that fit). Even at 4 bits.
     mapping: `'linear'` (absmax, `2^(b-1) - 1` levels each side of 0) or `'dynamic'`
       (Dettmers' dynamic-exponent map).
+    fit: what a leaf that `block_size` does not fit gets: `'exact'` refuses it at
+      `init` (a ValueError listing the sizes that fit); `'nearest'` gives it the fitting
+      size nearest to `block_size` on a log scale (the smaller on a tie), e.g. 228 for
+      a `[2048, 10944]` matrix at 256, so that one codec serves any model's widths.
+      `memory_report` counts the bytes of the sizes chosen.
     shape: the bound leaf's shape (`for_leaf` sets it), or None.
     batch_axes: the bound leaf's batch axes (`for_leaf` sets them), or None (default).
 
@@ -143,6 +149,7 @@ class Blockwise(StateCodec):
   bits: int = 8
   block_size: int = 256
   mapping: str = 'linear'
+  fit: str = 'exact'
   shape: Optional[tuple[int, ...]] = None
   batch_axes: Optional[tuple[int, ...]] = None
 
@@ -155,6 +162,7 @@ class Blockwise(StateCodec):
       raise ValueError(f'`block_size` of a 4-bit sj.Blockwise must be even (two codes per '
                        f'byte), got {self.block_size}.')
     _checks.check_choice('mapping', self.mapping, MAPPINGS)
+    _checks.check_choice('fit', self.fit, FITS)
     if self.shape is not None:
       object.__setattr__(self, 'shape', tuple(int(n) for n in self.shape))
     if self.batch_axes is not None:
@@ -184,6 +192,9 @@ class Blockwise(StateCodec):
       return extents
     layout = _base.Layout.of(len(shape), self.batch_axes)
     sizes = _blocks.fitting_block_sizes(shape, self.batch_axes, even=self.bits == 4)
+    if self.fit == 'nearest' and sizes:
+      size = min(sizes, key=lambda n: (abs(np.log(n / self.block_size)), n))
+      return _blocks.block_extents(shape, self.batch_axes, size)
     listed = ', '.join(map(str, sizes[:MAX_LISTED_SIZES]))
     if len(sizes) > MAX_LISTED_SIZES:
       listed += f' and {len(sizes) - MAX_LISTED_SIZES} more up to {sizes[-1]}'

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,23 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
     gram = x @ jnp.swapaxes(x, -1, -2)
     x = a * x + (b * gram + c * gram @ gram) @ x
   return jnp.swapaxes(x, -1, -2) if transposed else x
+
+
+def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, float] = NS_COEFFS,
+                         steps: int = 5, eps: float = 1e-8) -> list[jax.Array]:
+  """`[newton_schulz(m, ...) for m in mats]` as one batched iteration.
+
+  `mats` are `[n_i, R, C]` with the same `R, C`: they are concatenated along the first
+  axis, orthogonalised together and split again. Each matrix is normalised and iterated
+  on its own, so the result is that of separate calls (the same operations per matrix),
+  while the compiled program holds the iteration once.
+  """
+  if len(mats) == 1:
+    return [newton_schulz(mats[0], coeffs, steps, eps)]
+  sizes = [m.shape[0] for m in mats]
+  o = newton_schulz(jnp.concatenate(mats, axis=0), coeffs, steps, eps)
+  bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+  return jnp.split(o, bounds, axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +168,27 @@ class Orthogonal(_second_moment.SecondMoment):
   def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
              ) -> tuple[jax.Array, Stats]:
     del g, stats
+    mats, finish = self.prepare(x, step)
+    return finish(newton_schulz(mats, self.ns_coeffs, self.ns_steps, self.eps)), {}
+
+  @property
+  def iteration(self) -> tuple[Any, ...]:
+    """What fixes the Newton-Schulz iteration besides the matrices' shape: leaves whose
+    prepared matrices have the same shape and `iteration` can share one batched call."""
+    return (self.ns_coeffs, self.ns_steps, self.eps)
+
+  def prepare(self, x: jax.Array, step: Step
+              ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """`update` in two halves around the Newton-Schulz iteration.
+
+    Returns `(mats, finish)`: the matrices to orthogonalise, `[n, R, C]` float32 (one
+    per batch slice), and the function that turns their orthogonalised form (the
+    result of `newton_schulz(mats, ...)`) into the leaf's update. `scale_by_tiers` runs
+    one `newton_schulz` for all leaves whose `mats` have the same `[R, C]` and
+    `iteration` (concatenated along the first axis): the result per matrix is the
+    same, and a model's compile holds one iteration per matrix shape instead of one per
+    leaf.
+    """
     layout = _second_moment.Layout.of(x.ndim, self.batch_axes)
     batch, rows, col = layout.batch, layout.rows, layout.col
     r = math.prod(x.shape[a] for a in rows)
@@ -159,12 +197,15 @@ class Orthogonal(_second_moment.SecondMoment):
     s = step.num_scale / jnp.sqrt(step.bc2) if step.floor else step.num_scale
     perm = batch + rows + (col,)
     mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(-1, r, c)
-    o = newton_schulz(mats, self.ns_coeffs, self.ns_steps, self.eps)
     scale = (self.rms_scale * math.sqrt(max(r, c)) if self.rms_scale is not None
              else math.sqrt(max(1.0, c / r)))
-    u = jnp.transpose((o * scale).reshape(tuple(x.shape[a] for a in perm)),
-                      _inverse(perm))
-    return _second_moment.clipped(lambda u_: u_, (u,), layout, step.clip), {}
+
+    def finish(o: jax.Array) -> jax.Array:
+      u = jnp.transpose((o * scale).reshape(tuple(x.shape[a] for a in perm)),
+                        _inverse(perm))
+      return _second_moment.clipped(lambda u_: u_, (u,), layout, step.clip)
+
+    return mats, finish
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:

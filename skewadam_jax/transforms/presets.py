@@ -8,7 +8,7 @@ own learning rate (the published floor wants a larger one) for 2% more state.
 `ADAM_ROUTER_TIERS`: the published backbone and experts with that router alone, at the
 published tiers' learning rate. `MUON_TIERS`: Muon's orthogonalised momentum on the
 hidden matrices; `MUON_CODED_TIERS`: the same with Muon's per-expert Nesterov momentum on
-the experts, that momentum and the hidden tier's stored as 8-bit blockwise codes.
+the experts, stored as 4-bit blockwise codes, and the hidden tier's as 8-bit codes.
 """
 
 from __future__ import annotations
@@ -72,26 +72,29 @@ MUON_TIERS: Mapping[str, Tier] = {
     'router': ADAM_ROUTER_TIERS['router'],
 }
 
-# MUON_TIERS with Muon's per-expert momentum back, stored in 8 bits. The experts
+# MUON_TIERS with Muon's per-expert momentum back, in low-bit codes. The experts
 # orthogonalise their own Nesterov momentum (b1 = 0.95), each expert on its own, as Muon
 # does, instead of their gradient; the 5-seed sweep put that (with fp32 momentum) ahead
 # of Muon, at half of AdamW's state, because the expert bank is most of an MoE's
-# parameters. Here that momentum and the hidden tier's are blockwise 8-bit linear
-# absmax codes in blocks of 256 (1.016 B per parameter instead of 4; a measurement on
-# another MoE language model lost nothing to the codes at 600 steps). On the published
-# 6.78B configuration: 7,512,561,152 B, 13.8% of AdamW's 54,274,621,440 B (the fp32
-# momentum would be 27,139,806,720 B, 50.0%; 4-bit codes in blocks of 64 on the experts,
-# 4,593,325,568 B, 8.5%). Every tier keeps `lr_scale=1.0`: a smaller scale for the
-# Adam-like tiers (backbone, router) is the knob for them, not yet chosen by measurement.
+# parameters. So that momentum is stored as blockwise 4-bit linear absmax codes in
+# blocks of 64 (0.5625 B per parameter instead of 4), the hidden tier's (a small share
+# of the parameters, and more sensitive: 4 bits there cost more in a 300-step
+# measurement) as 8-bit codes in blocks of 256 (1.016 B). `fit='nearest'`: a width that
+# 256 or 64 does not divide (DeepSeek-MoE's 10944, 1408) gets the nearest block size
+# that fits instead of an error. On the published 6.78B configuration this is 8.5% of
+# AdamW's state (benchmarks/memory.py). Every tier runs at the one lr (`lr_scale=1`):
+# in the sweep (2000 steps, 3e-2) scaling the Adam-like tiers (embeddings, norms,
+# router) by 0.3 or 0.1 ended worse (benchmarks/results/quality_sweep).
 MUON_CODED_TIERS: Mapping[str, Tier] = {
     'backbone': PUBLISHED_TIERS['backbone'],
-    'hidden': MUON_TIERS['hidden'].replace(mu_codec=_codec.Blockwise(8, 256, 'linear')),
+    'hidden': MUON_TIERS['hidden'].replace(
+        mu_codec=_codec.Blockwise(8, 256, 'linear', fit='nearest')),
     'experts': Tier(momentum=True, nesterov=True, b1=0.95,
                     second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
-                    clip_threshold=None, mu_codec=_codec.Blockwise(8, 256, 'linear')),
+                    clip_threshold=None,
+                    mu_codec=_codec.Blockwise(4, 64, 'linear', fit='nearest')),
     'router': ADAM_ROUTER_TIERS['router'],
 }
-
 
 
 def check_tiers(tiers: Any) -> dict[str, Tier]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ from skewadam_jax.estimators import codec as _codec
 from skewadam_jax.estimators import exact as _exact
 from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.estimators import grouped as _grouped
+from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.transforms import per_leaf as _per_leaf
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.core import tree as _tree
@@ -164,14 +165,25 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
   return estimator, present
 
 
+class Deferred(NamedTuple):
+  """A leaf's update waiting for its Newton-Schulz iteration (`Orthogonal.prepare`)."""
+  mats: jax.Array  # shape=[n, R, C] float32: the matrices to orthogonalise
+  key: tuple[Any, ...]  # (R, C) and the estimator's `iteration`: who may share a call
+  estimator: _orthogonal.Orthogonal
+  resume: Callable[[jax.Array], tuple[jax.Array, dict[str, Any]]]  # NS result -> update, state
+
+
 def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
                 eps: Any, path: str, g: jax.Array, mu: Any,
                 present: Mapping[str, Any], t: jax.Array, bc2: jax.Array,
-                batch_axes: Any = None, dtype: Any = None
-                ) -> tuple[jax.Array, dict[str, Any]]:
+                batch_axes: Any = None, dtype: Any = None, defer: bool = False
+                ) -> Union[tuple[jax.Array, dict[str, Any]], Deferred]:
   """A leaf's update under `tier` (`t` the step count after it, as a float32), in
   `dtype` (default the gradient's; `per_leaf.update_dtype`), and its new state (field
-  name -> array; a coded momentum as its codec stores it)."""
+  name -> array; a coded momentum as its codec stores it).
+
+  With `defer`, an orthogonalised leaf returns a `Deferred` instead, which `resolve`
+  completes together with the others of its matrix shape."""
   # Every full-size array below is either an input, a state output or computed inside
   # the one fused pass that also applies the update: statistics come from reductions
   # over the stored arrays, and nothing of the leaf's size is materialised in between.
@@ -203,11 +215,36 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   step = _second_moment.Step(
       b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
       clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
-  u, new = estimator.update(g, present, x, step)
-  _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
-  if tier.lr_scale != 1.0:
-    u = u * tier.lr_scale
-  if codec is not None:
-    mu = stored
-  return u.astype(g.dtype if dtype is None else dtype), (
-      {'mu': mu, **new} if tier.momentum else dict(new))
+
+  def end(u: jax.Array, new: Mapping[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+    _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)
+    if tier.lr_scale != 1.0:
+      u = u * tier.lr_scale
+    state = stored if codec is not None else mu
+    return u.astype(g.dtype if dtype is None else dtype), (
+        {'mu': state, **new} if tier.momentum else dict(new))
+
+  # Only the built-in update is split (a subclass that overrides `update` runs whole).
+  if defer and isinstance(estimator, _orthogonal.Orthogonal) and (
+      type(estimator).update is _orthogonal.Orthogonal.update):
+    mats, finish = estimator.prepare(x, step)
+    return Deferred(mats, (tuple(mats.shape[1:]), estimator.iteration), estimator,
+                    lambda o: end(finish(o), {}))
+  return end(*estimator.update(g, present, x, step))
+
+
+def resolve(out: list[Any]) -> list[tuple[jax.Array, dict[str, Any]]]:
+  """`out` with every `Deferred` completed: one batched Newton-Schulz iteration per
+  matrix shape (and iteration), instead of one per leaf; the same result per matrix."""
+  groups: dict[tuple[Any, ...], list[int]] = {}
+  for i, o in enumerate(out):
+    if isinstance(o, Deferred):
+      groups.setdefault(o.key, []).append(i)
+  out = list(out)
+  for idx in groups.values():
+    est = out[idx[0]].estimator
+    orthogonal = _orthogonal.newton_schulz_shared(
+        [out[i].mats for i in idx], est.ns_coeffs, est.ns_steps, est.eps)
+    for i, o in zip(idx, orthogonal):
+      out[i] = out[i].resume(o)
+  return out

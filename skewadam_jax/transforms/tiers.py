@@ -97,7 +97,8 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
       mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
       out.append(_tier_leaf.update_leaf(
           tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps, path, g, mu,
-          present, t, bc2, a, _per_leaf.update_dtype(g, p)))
+          present, t, bc2, a, _per_leaf.update_dtype(g, p), defer=True))
+    out = _tier_leaf.resolve(out)
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
         [new for _, new in out], _tier_leaf.FIELDS, specs_of(leaves, leaf_tiers, axes)))
 

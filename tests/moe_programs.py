@@ -95,13 +95,9 @@ MESH_AXES = ('data', 'fsdp', 'expert', 'model', 'tensor')
 # every block are expected failures until then. 'quiet' lists the blocks on which the
 # default route warns although every name is conventional.
 KNOWN_FAILING: dict[str, frozenset[str]] = {
-    'traced': frozenset({
-        # one module per expert, the outputs joined by jnp.stack / jnp.concatenate: the
-        # units backbone (a stacked bank joined so is right)
-        'dispatch:stack&bank:units',
-        'dispatch:concat&bank:units',
-        'stacking:vmap',  # layers applied by jax.vmap: no layer axis
-    }),
+    # None: every block is right on the traced route (units stacked or concatenated
+    # against an expert axis, layers applied by jax.vmap included).
+    'traced': frozenset(),
     # None: every block is right or loud on the default route, and quiet on conventional
     # names (`python tests/moe_programs.py --blocks`).
     'default': frozenset(),

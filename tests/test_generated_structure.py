@@ -16,6 +16,7 @@ per route.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -127,6 +128,33 @@ def test_each_block_alone(spec, route):
     _quiet(program)
   else:
     _right_or_loud(program, route)
+
+
+def _right_not_loud_cases():
+  """Blocks the traced route once got silently wrong or only loud (units stacked or
+  concatenated, layers applied by `jax.vmap`), alone and together with expert choice."""
+  cases = []
+  for names in ('conventional', 'random'):
+    blocks = mp.single_block_specs(names)
+    base = blocks['baseline']
+    specs = {tag: blocks[tag] for tag in ('bank:units+dispatch:stack',
+                                          'bank:units+dispatch:concat', 'stacking:vmap',
+                                          'layout:flat+stacking:vmap')}
+    specs['stacking:vmap+dispatch:expert_choice'] = dataclasses.replace(
+        base, stacking='vmap', dispatch='expert_choice')
+    specs['stacking:vmap+bank:units+dispatch:concat'] = dataclasses.replace(
+        base, stacking='vmap', bank='units', dispatch='concat')
+    cases += [pytest.param(spec, id=f'{names}-{tag}') for tag, spec in specs.items()]
+  return cases
+
+
+@pytest.mark.parametrize('spec', _right_not_loud_cases())
+def test_traced_route_is_right_not_merely_loud(spec):
+  program = mp.build(spec)
+  verdict = mp.check_traced(program)
+  wrong = [f'{p}: got {g}, truth {t}' for p, g, t, o in
+           zip(program.paths, verdict.got, program.truth, verdict.outcome) if o != mp.RIGHT]
+  assert not wrong and not verdict.error, '\n'.join(wrong) or verdict.error
 
 
 def test_generator_covers_every_block_and_the_truth_is_consistent():

@@ -729,7 +729,7 @@ def test_a_hijax_primitive_is_entered_through_its_expansion(fail):
   assert result.labels['b'] == 'backbone' and 'call_hi_primitive' in result.undecided['b']
 
 
-def test_layers_applied_by_vmap_are_loud_not_silently_unbatched():
+def test_layers_applied_by_vmap_are_batched_along_the_decisions_per_slice():
   def ffn(w, x, comb):
     return jnp.einsum('te,tef->tf', comb, jnp.einsum('td,edf->tef', x, w))
 
@@ -739,8 +739,81 @@ def test_layers_applied_by_vmap_are_loud_not_silently_unbatched():
     return jax.vmap(layer)(p).sum(0)
 
   p = {'g': jnp.zeros((3, D)), 'r': jnp.zeros((3, D, E)), 'w': jnp.zeros((3, E, D, F))}
-  with pytest.warns(sj.UnsureLabelWarning, match='vmap'):
-    result = sj.trace_structure(fn, p, X)
-  # truth: g (0,), r (0,), w (0, 1); the layer axis is no scan's, so none is claimed
-  assert set(result.undecided) == {'g', 'r', 'w'}, result.format()
-  assert 'vmap' in result.undecided['r']
+  result = sj.trace_structure(fn, p, X)
+  # the top_k over E is made per slice of the logits' other parameter axis (L): that
+  # axis is a batch axis of the router and of every leaf whose axis runs along it
+  assert result.labels == {'g': 'backbone', 'r': 'router', 'w': 'experts'}, result.format()
+  assert result.batch_axes == {'g': (0,), 'r': (0,), 'w': (0, 1)}
+  assert result.undecided == {}
+  assert 'per slice' in result.by_path['g'].evidence
+
+
+def test_expert_choice_applied_by_vmap_tells_the_layer_axis_from_the_expert_axis():
+  def fn(p, x):
+    def layer(q):
+      h = x * q['g']
+      scores = jax.nn.softmax(h @ q['r'], axis=0).T  # [E, T] per layer
+      g, idx = jax.lax.top_k(scores, 3)  # token positions [E, 3]
+      out = jnp.einsum('ecd,edf->ecf', h[idx], q['w']) * g[..., None]
+      return jnp.zeros((T, F)).at[idx.reshape(-1)].add(out.reshape(-1, F))
+    return jax.vmap(layer)(p).sum(0)
+
+  p = {'g': jnp.zeros((3, D)), 'r': jnp.zeros((3, D, E)), 'w': jnp.zeros((3, E, D, F))}
+  result = sj.trace_structure(fn, p, X)
+  # scores [L, E, T]: L is a batch dimension of the contraction making them (the
+  # router's input runs along it too), E the router's own output axis
+  assert result.labels == {'g': 'backbone', 'r': 'router', 'w': 'experts'}, result.format()
+  assert result.batch_axes == {'g': (0,), 'r': (0,), 'w': (0, 1)}
+  assert result.decisions[0].num_experts == E
+
+
+def _units_params():
+  return {'r': jnp.zeros((D, E)),
+          'u': [{'a': jnp.zeros((D, F)), 'b': jnp.zeros((F, D))} for _ in range(E)]}
+
+
+def _unit_outputs(p, x):
+  """One module per expert, each applied to every token: E outputs [T, D]."""
+  return [jax.nn.gelu(x @ u['a']) @ u['b'] for u in p['u']]
+
+
+@pytest.mark.parametrize('how', ['stack', 'concatenate', 'product', 'take', 'index'])
+def test_units_joined_by_a_stack_against_the_expert_axis(how):
+  def fn(p, x):
+    weights, ids = jax.lax.top_k(jax.nn.softmax(x @ p['r']), 2)
+    combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(ids, E), weights)
+    outs = _unit_outputs(p, x)
+    if how == 'index':  # [E, T, D] read at (first id, token)
+      return jnp.stack(outs)[ids[:, 0], jnp.arange(T)] * weights[:, :1]
+    if how == 'concatenate':
+      return jnp.einsum('ted,te->td', jnp.concatenate([o[:, None] for o in outs], 1),
+                        combine)
+    every = jnp.stack(outs, axis=1)  # [T, E, D]
+    if how == 'product':
+      return (every * combine[..., None]).sum(1)
+    if how == 'take':
+      return (jnp.take_along_axis(every, ids[..., None], 1) * weights[..., None]).sum(1)
+    return jnp.einsum('ted,te->td', every, combine)
+
+  result = sj.trace_structure(fn, _units_params(), X)
+  unit = {'a': 'experts', 'b': 'experts'}
+  assert result.labels == {'r': 'router', 'u': [unit] * E}, result.format()
+  assert result.batch_axes == {'r': (), 'u': [{'a': (), 'b': ()}] * E}
+  assert result.undecided == {}
+  assert 'position 2' in result.by_path['u/2/a'].evidence
+
+
+@pytest.mark.parametrize('move', ['flip', 'cumsum', 'roll'])
+def test_units_whose_positions_may_move_before_the_expert_axis_are_loud(move):
+  moves = {'flip': lambda v: jnp.flip(v, 1), 'cumsum': lambda v: jnp.cumsum(v, 1),
+           'roll': lambda v: jnp.roll(v, 1, 1)}
+
+  def fn(p, x):
+    combine = _routed(x, x @ p['r'])
+    every = moves[move](jnp.stack(_unit_outputs(p, x), axis=1))
+    return jnp.einsum('ted,te->td', every, combine)
+
+  with pytest.warns(sj.UnsureLabelWarning, match='undecided'):
+    result = sj.trace_structure(fn, _units_params(), X)
+  assert all(f'u/{e}/{m}' in result.undecided for e in range(E) for m in 'ab')
+  assert 'moved' in result.undecided['u/0/a']

@@ -30,11 +30,17 @@ on data) and follows every parameter through it:
   mask of a decision's expert ids against a constant (`where(ids == 2, y, 0)`, a
   product with `ids == 2` or with column 2 of a one-hot of the ids): experts, one matrix
   (a Python list of expert matrices); a stacked parameter applied unit by unit under
-  such masks is a bank along the axis taken apart;
+  such masks is a bank along the axis taken apart. A parameter whose outputs, stacked
+  with the other units' (`stack([unit(x) for unit in modules], 1)`), sit at position
+  `p` of an axis that meets an axis indexing E experts (contracted with a one-hot of the
+  ids, read at the ids) is unit `p` too (`units`);
 * **scanned layers** are parameters consumed (whatever the transposes, reshapes,
   broadcasts and slices on the way) as the `xs` of a `scan` that reads no input data;
   the scanned axis, mapped back to the parameter's own axis, is a batch axis, one per
-  nesting level;
+  nesting level. Layers applied by a `vmap` (lowered in the jaxpr) show as logits with
+  a parameter axis besides the expert axis (`[L, T, E]`, or expert-choice scores whose
+  layer axis is a batch dimension of the contraction making them): one decision per
+  slice, and that axis is a batch axis of every parameter axis aligned with it;
 * **stacked matrices**: a parameter axis whose every element is taken out as a single
   piece and dropped (`unstack`, width-1 `split`s or slices then `squeeze`, a
   `dynamic_slice` at a loop counter) is a batch axis; an axis merged by a reshape is
@@ -64,8 +70,8 @@ dependences at the logits. A parameter that reaches a primitive with no rule is
 reported as undecided, with a warning naming the primitive and the user's line; so is one
 feeding a selection among parameter values that makes no decision, one the function
 never reads, one producing or meeting the tokens of a decision whose expert axis cannot
-be told (several operand axes come from parameters, none from the inputs; logits
-`[L, T, E]` of routers applied by a `vmap` over stacked layers), one whose
+be told (several operand axes come from parameters, none from the inputs), one of
+the units joined along an axis whose positions may have moved, one whose
 E-long axis meets values routed by a decision that dispatches nothing the analysis can
 see (its expert axis lost), and one masked by several ids with no unit axis. Undecided
 leaves come with a `TraceWarning` (an `sj.UnsureLabelWarning`).
@@ -82,8 +88,8 @@ param_labels=structure)`.
 
 The package: `info` (what the analysis knows about one variable), `analysis` (the
 interpreter over a jaxpr and what it records), `rules` (the rule table, one rule per
-primitive, by family), `masks` (expert-id masks), `decide` (findings to tiers) and `api`
-(`trace_structure`).
+primitive, by family), `masks` (expert-id masks), `units` (units joined along an
+axis), `decide` (findings to tiers) and `api` (`trace_structure`).
 """
 
 from skewadam_jax.structure.traced.api import TraceWarning

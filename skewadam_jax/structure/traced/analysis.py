@@ -20,6 +20,7 @@ import numpy as np
 
 from skewadam_jax.structure.traced import info as _info
 from skewadam_jax.structure.traced import masks as _masks
+from skewadam_jax.structure.traced import units as _units
 
 Info = _info.Info
 # A rule: (analysis, equation, operands' facts) -> outputs' facts.
@@ -30,6 +31,15 @@ def follows_bodies(rule: Rule) -> Rule:
   """Marks a rule that enters its equation's bodies: the value facts follow them, so
   `Analysis.depend` does not join every operand into every output."""
   rule.follows_bodies = True  # type: ignore[attr-defined]
+  return rule
+
+
+def keeps_positions(rule: Rule) -> Rule:
+  """Marks a rule whose outputs keep each position of an operand axis they carry where
+  it was (elementwise ops, broadcasts, transposes, contractions' batch and free
+  dimensions): joined units (`('u', ...)` tokens) stay known through it. Any other rule
+  may move them (a slice, a sort, a cumulative sum): `Analysis.eqn` marks them lost."""
+  rule.keeps_positions = True  # type: ignore[attr-defined]
   return rule
 
 
@@ -61,6 +71,9 @@ class Analysis:
     self.router_tokens: dict[tuple[int, int], set[int]] = {}  # set for the second pass
     self.banks: dict[tuple[int, int], dict[str, set[int]]] = {}  # (leaf, axis) -> why -> decs
     self.scans: dict[tuple[int, int], int] = {}  # (leaf, axis) -> scan length
+    # (leaf, axis) -> length: axes a decision is made per slice of (a `vmap` over stacked
+    # layers), and the parameter axes aligned with them
+    self.mapped: dict[tuple[int, int], int] = {}
     self.opaque: dict[int, set[str]] = {}  # leaf -> what it reached unseen
     # (primitive, source line) -> leaves crossing a primitive with no rule, and those
     # feeding a selection that made no decision
@@ -74,6 +87,10 @@ class Analysis:
     self.out_open: frozenset = _info.EMPTY  # ... other than through expert-id masks
     self.out_last: frozenset = _info.EMPTY  # leaves whose contraction made them last
     self.masked: _masks.Masked = {}  # leaf -> dec -> mask ids
+    # leaf -> dec -> positions: separate leaves joined along an axis that meets the
+    # experts of a decision (`stack([unit(x) for unit in modules])` against a one-hot)
+    self.joined: _masks.Masked = {}
+    self.joins = False  # some values joined units along an axis (`('u', ...)` tokens)
     self.unclear: dict[int, str] = {}  # leaf -> meets tokens of an unclear decision
     # (leaf, axis) -> decisions over as many experts as the axis is long whose routed
     # values it meets (a contraction or elementwise alignment), bank or not
@@ -119,6 +136,7 @@ class Analysis:
     """The decisions that dispatch tokens to a bank or to a masked unit."""
     found = {d for why in self.banks.values() for decs in why.values() for d in decs
              if d is not None}
+    found |= {d for decs in self.joined.values() for d in decs}
     return found | {d for decs in self.gated().values() for d in decs
                     if self.decision(d).num_experts > 0}
 
@@ -150,6 +168,8 @@ class Analysis:
 
   def meet(self, mine: frozenset, other: frozenset, dispatched: bool, why: str) -> None:
     """Parameter axes in `mine` of length E meet an axis indexing E experts: banks."""
+    if any(t[0] in ('u', 'v') for t in mine):
+      _units.meet(self, mine, other, dispatched)
     if not any(isinstance(t[0], int) for t in mine):
       return
     decs = self.experts_of(other, dispatched)
@@ -184,6 +204,16 @@ class Analysis:
     for t in tokens:
       if t[0] == '1' and self.shapes[t[1][0]][t[1][1]] > 1:
         self.pieces.setdefault(t[1][:2], set()).add(t[1][2])
+
+  def map_axes(self, tokens: frozenset, n: int) -> None:
+    """The `n`-long parameter axes of `tokens` run along the batch axis of a decision
+    made per slice (one routing decision per layer of a `vmap`): batch axes."""
+    for t in _info.params_of(tokens):
+      if self.shapes[t[0]][t[1]] == n:
+        self.mapped[t] = n
+
+  def is_mapped(self, tokens: frozenset) -> bool:
+    return any(t in self.mapped for t in _info.params_of(tokens))
 
   def unseen(self, what: str, ins: Sequence[Info]) -> None:
     """The parameter axes of `ins` reach `what`, which the analysis does not see into."""
@@ -239,6 +269,8 @@ class Analysis:
       self.callers.pop()
     if getattr(rule, 'follows_bodies', False):
       return outs
+    if self.joins:
+      outs = _units.moved(rule, ins, outs)
     return self.depend(eqn, ins, outs)
 
   def depend(self, eqn: Any, ins: list[Info], outs: list[Info]) -> list[Info]:
@@ -261,6 +293,13 @@ class Analysis:
         free = frozenset().union(*(x.free for x, v in zip(ins, eqn.invars)
                                    if _masks.aligned(eqn, x, v, hot, self.cut)))
     mask, unmask, open_ = _masks.masks(eqn, ins, self.masked)
+    if self.mapped:
+      # An output axis joins the operand axes a rule aligned (elementwise, batch
+      # dimensions): those aligned with a mapped axis run along it too.
+      for o, v in zip(outs, eqn.outvars):
+        for tokens, n in zip(o.axes, _info.shape_of(v)):
+          if self.is_mapped(tokens):
+            self.map_axes(tokens, n)
     return [o._replace(deps=deps, free=free, mask=mask, unmask=unmask, open=open_,
                        piece=piece if o.piece is None else o.piece,
                        last=last if o.last is None else o.last) for o in outs]

@@ -31,7 +31,11 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
             used: list[bool], treedef: Any, pidx: list[int], n_leaves: int) -> _results.Structure:
   """Turns the analysis' findings into a tier and batch axes per leaf."""
   confirmed = sorted(analysis.confirmed())
-  gated = analysis.gated()
+  gated = {leaf: {dec: set(ids) for dec, ids in decs.items()}
+           for leaf, decs in analysis.gated().items()}
+  for leaf, decs in analysis.joined.items():  # units joined against an expert axis
+    for dec, ids in decs.items():
+      gated.setdefault(leaf, {}).setdefault(dec, set()).update(ids)
   routers: dict[int, set[int]] = {}  # leaf -> confirmed decisions it routes
   candidates: dict[int, set[int]] = {}
   for dec, key in enumerate(analysis.order):
@@ -53,12 +57,18 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
   lost = {leaf: (axis, analysis.decision(min(decs - set(confirmed))))
           for (leaf, axis), decs in sorted(analysis.near.items()) if decs - set(confirmed)}
   for k, (path, shape) in enumerate(zip(paths, shapes)):
-    layers = tuple(sorted(a for (leaf, a) in analysis.scans if leaf == k))
-    found = {a: why for (leaf, a), why in analysis.banks.items() if leaf == k}
+    scanned = sorted(a for (leaf, a) in analysis.scans if leaf == k)
+    mapped = sorted(a for (leaf, a) in analysis.mapped if leaf == k and a not in scanned)
+    layers = tuple(sorted(scanned + mapped))
+    found = {a: why for (leaf, a), why in analysis.banks.items()
+             if leaf == k and a not in layers}
     notes = []
-    if layers:
-      notes.append(f'scanned over axis {_info.axis_list(layers)} (length '
-                   f'{", ".join(str(analysis.scans[(k, a)]) for a in layers)})')
+    if scanned:
+      notes.append(f'scanned over axis {_info.axis_list(scanned)} (length '
+                   f'{", ".join(str(analysis.scans[(k, a)]) for a in scanned)})')
+    if mapped:
+      notes.append(f'axis {_info.axis_list(mapped)} runs along the routing decisions made '
+                   'per slice (stacked layers applied at once, a vmap)')
     expert_axis = None
     # An axis all of whose pieces are taken (or taken at a loop counter) stacks
     # separate matrices; one row read out of a table does not.
@@ -95,8 +105,11 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
       # One unit of a bank stored as separate leaves: experts, one matrix (no expert axis).
       tier = _results.EXPERTS
       d = analysis.decision(min(gated[k]))
-      notes.insert(0, f'reaches the outputs only for tokens whose {d.primitive} id is '
-                   f'{units.pop()} (one unit of E={d.num_experts})')
+      how = ('is joined at position {} of an axis that meets the experts of {}'
+             if k in analysis.joined else
+             'reaches the outputs only for tokens whose {1} id is {0}')
+      notes.insert(0, how.format(units.pop(), d.primitive) +
+                   f' (one unit of E={d.num_experts})')
     else:
       tier = _results.BACKBONE
       notes.insert(0, 'dense')
@@ -159,8 +172,10 @@ def _why_undecided(analysis: _analysis.Analysis, k: int, shape: tuple[int, ...],
   if units:
     d = analysis.decision(min(gated[k]))
     ids = ', '.join(sorted('?' if v is None else str(v) for v in units))
-    return (f'reaches the outputs only through masks of {d.primitive}\'s expert ids '
-            f'(ids {ids}): which unit it is cannot be told')
+    how = ('is joined against the experts of {} at several positions'
+           if k in analysis.joined else
+           'reaches the outputs only through masks of {}\'s expert ids')
+    return how.format(d.primitive) + f' (ids {ids}): which unit it is cannot be told'
   if k in analysis.unclear:
     return analysis.unclear[k]
   if k in lost:

@@ -5,6 +5,8 @@ Every variable carries, per axis, a set of tokens:
 * `(leaf, axis)`: the axis derives from that axis of a parameter leaf;
 * `INPUT_AXIS`: it derives from an axis of the function's inputs (tokens, batch,
   sequence), as opposed to one a parameter's axis produces;
+* `BATCHED`: it was a batch dimension of a contraction whose both operands' axes come
+  from parameters (each slice's own matrices applied to each slice's own activations);
 * `('d', dec)`: it runs over tokens dispatched by routing decision `dec`;
   `('e', dec)`: it indexes the experts of `dec`;
 * `('1', (leaf, axis, start))`: it is the single piece at `start` (None: at a loop
@@ -12,7 +14,11 @@ Every variable carries, per axis, a set of tokens:
 * `('m', parts)`: parameter axes merged by a reshape, `parts` their (size, tokens), to be
   given back if a reshape splits the same sizes apart again;
 * `('s', (tokens, sizes, position))`: the part at `position` of a parameter axis a
-  reshape split into `sizes`, to be given back if a reshape merges the parts again.
+  reshape split into `sizes`, to be given back if a reshape merges the parts again;
+* `('u', units)`: values computed from separate leaves joined along this axis
+  (`stack([unit(x) for unit in modules])`): `units[p]` holds the leaves that position
+  `p` is computed from and no other position is; `('v', units)`: the same, once an
+  operation may have moved the positions (a slice, a sort, a reshape merging the axis).
 
 Besides the axes, the value facts (`Info`'s other fields) flow from every operand to
 every output of an equation (`Analysis.depend`).
@@ -29,6 +35,7 @@ from skewadam_jax.core.lazy import source_info_util
 
 EMPTY: frozenset = frozenset()
 INPUT_AXIS = ('x', 0)
+BATCHED = ('b', 0)
 
 
 class Info(NamedTuple):
@@ -86,6 +93,19 @@ def params_of(tokens: frozenset) -> list[tuple[int, int]]:
 def flags(tokens: frozenset, kind: str) -> set[Any]:
   """The payloads of an axis' tokens of one kind (`'d'`, `'e'`, ...)."""
   return {t[1] for t in tokens if t[0] == kind}
+
+
+def units_of(tokens: frozenset, kinds: tuple[str, ...] = ('u',)
+             ) -> list[tuple[str, tuple[frozenset, ...]]]:
+  """The (kind, units) of an axis' joined-units tokens of the given kinds."""
+  return [t for t in tokens if t[0] in kinds]
+
+
+def lose_units(tokens: frozenset) -> frozenset:
+  """An axis whose positions may have moved: its units' positions are no longer known."""
+  if not any(t[0] == 'u' for t in tokens):
+    return tokens
+  return frozenset(('v', t[1]) if t[0] == 'u' else t for t in tokens)
 
 
 def pieces(info: Info) -> frozenset:

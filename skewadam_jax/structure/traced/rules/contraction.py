@@ -24,6 +24,7 @@ Info = _info.Info
 FACTORISATIONS = ('cholesky', 'lu', 'qr', 'eigh', 'svd')
 
 
+@_analysis.keeps_positions
 def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """Output axes: batch (both operands' tokens), then lhs free, then rhs free."""
   lhs, rhs = ins[0], ins[1]
@@ -47,7 +48,11 @@ def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
       for d in dims:
         an.used(mine.axes[d], 'contracted', eqn)
         last |= {leaf for leaf, _ in _info.params_of(mine.axes[d])}
-  axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
+  # A batch dimension both of whose operands' axes come from parameters: per-slice
+  # matrices on per-slice activations (a `vmap` over stacked layers lowered).
+  axes = [lhs.axes[a] | rhs.axes[b] | (
+      {_info.BATCHED} if _info.params_of(lhs.axes[a]) and _info.params_of(rhs.axes[b])
+      else _info.EMPTY) for a, b in zip(lb, rb)]
   axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
   axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb]
   data, routed = _info.common(ins)

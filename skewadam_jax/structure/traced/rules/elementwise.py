@@ -45,6 +45,7 @@ ID_PRESERVING = frozenset({
 COMPARISONS = frozenset({'eq', 'ne', 'lt', 'le', 'gt', 'ge', 'eq_to', 'lt_to', 'le_to'})
 
 
+@_analysis.keeps_positions
 def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """Each output axis joins the operands' axes of the same length at its position."""
   if not _info.elementwise_shapes(eqn):  # a bitcast to another width: no rule reads it

@@ -15,6 +15,7 @@ from skewadam_jax.core.lazy import jex_core
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
+from skewadam_jax.structure.traced import units as _units
 from skewadam_jax.structure.traced.rules import shapes as _shapes
 
 Info = _info.Info
@@ -44,6 +45,7 @@ def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
     if eid is None and idx.eid is not None:
       eid = idx.eid  # several axes indexed by (broadcast) ids: each by the ids
     if eid is not None:
+      _units.meet(an, x.axes[axis], frozenset({('e', eid)}), False)  # joined units
       e = an.decision(eid).num_experts
       for t in _info.params_of(x.axes[axis]):
         if an.shapes[t[0]][t[1]] == e:

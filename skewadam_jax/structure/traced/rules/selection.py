@@ -44,18 +44,29 @@ def decide_along(an: _analysis.Analysis, eqn: Any, prim: str, operand: Info, axi
   def clean(a: int) -> bool:
     return bool(_info.params_of(operand.axes[a])) and _info.INPUT_AXIS not in operand.axes[a]
 
-  others = [a for a in range(len(shape)) if a != axis and clean(a) and shape[a] > 1]
+  if _info.flags(operand.axes[axis], 's') and not clean(axis):
+    return None, False  # within the groups of a split expert axis: no decision of its own
+  # Axes along which decisions are made per slice (found at an earlier decision, or
+  # aligned with one) are no candidate expert axes.
+  others = [a for a in range(len(shape)) if a != axis and clean(a) and shape[a] > 1
+            and not an.is_mapped(operand.axes[a])]
   unclear = ''
+  batched = [a for a in others if _info.BATCHED in operand.axes[a]]
+  if not clean(axis) and len(others) - len(batched) == 1:
+    # Expert choice with more parameter axes: the expert axis is the one the router's
+    # kernel alone produces; an axis its input runs along too (a batch dimension of the
+    # contraction making the scores) is one of decisions made per slice.
+    for a in batched:
+      an.map_axes(operand.axes[a], shape[a])
+    others = [a for a in others if a not in batched]
   if clean(axis) and others:
-    # Logits with more parameter axes (`[L, T, E]`: routers stacked and applied at once,
-    # a `vmap` over layers lowered into the jaxpr): one decision per slice, batched over
-    # axes no `scan` shows; which of its leaves' axes are batch axes cannot be told.
-    expert, ids = None, False
-    unclear = (f'axes {_info.axis_list(others)} of its operand come from parameters '
-               f'besides the expert axis {axis}, none from the inputs: one decision per '
-               'slice (stacked layers or routers applied by a vmap?), whose batch axes '
-               'cannot be told')
-    others = [axis] + others
+    # Logits with more parameter axes besides the one selected along (`[L, T, E]`:
+    # routers stacked and applied at once, a `vmap` over layers lowered into the jaxpr):
+    # one decision per slice of those axes. They are batch axes, of every parameter
+    # whose axis runs along them (`Analysis.map_axes`, spread by `Analysis.depend`).
+    for a in others:
+      an.map_axes(operand.axes[a], shape[a])
+    expert, ids = axis, True
   elif clean(axis):
     expert, ids = axis, True
   elif len(others) == 1:
@@ -67,7 +78,7 @@ def decide_along(an: _analysis.Analysis, eqn: Any, prim: str, operand: Info, axi
   elif _info.params_of(operand.axes[axis]):  # the logits also take input data (noise)
     expert, ids = axis, True
   else:
-    if operand.deps and not operand.routed and not _info.flags(operand.axes[axis], 's'):
+    if operand.deps and not operand.routed:
       an.blind.setdefault((prim, an.line(eqn)), set()).update(operand.deps)
     return None, False
   routers = [t for a in ([expert] if expert is not None else others)
@@ -76,6 +87,7 @@ def decide_along(an: _analysis.Analysis, eqn: Any, prim: str, operand: Info, axi
                          unclear, routers, operand.deps)
 
 
+@_analysis.keeps_positions
 def reduce(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """Reductions drop their axes; an `argmax`/`argmin` over one axis may decide."""
   x = ins[0]

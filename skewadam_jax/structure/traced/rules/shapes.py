@@ -7,6 +7,13 @@ remembers the parameter axes involved and gives them back when a later reshape u
 parameter axis taken out and dropped (`w[2]`, `unstack`) is recorded (a stack of separate
 matrices) and remembered on the values computed from it, so that `stack` or a
 `concatenate` of those values, piece `i` at position `i`, gives the axis back.
+
+Values computed from separate leaves, stacked (one module per expert, each applied to
+the tokens: `stack([unit(x) for unit in modules])`), join those units along the new axis:
+position `p` remembers the leaves only it is computed from (a `('u', units)` token). The
+rules that keep positions where they are say so (`analysis.keeps_positions`); through
+any other (and through a reshape that merges or splits the axis, or a concatenation
+along it) the units are marked lost.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import numpy as np
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
+from skewadam_jax.structure.traced import units as _units
 
 Info = _info.Info
 EMPTY = _info.EMPTY
 
 
+@_analysis.keeps_positions
 def broadcast_in_dim(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   del an
   x, src = ins[0], _info.shape_of(eqn.invars[0])
@@ -54,6 +63,7 @@ def _merged_tokens(parts: list[frozenset], sizes: tuple[int, ...]) -> frozenset:
   return found
 
 
+@_analysis.keeps_positions
 def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   x = ins[0]
   src, dst = _info.shape_of(eqn.invars[0]), _info.shape_of(eqn.outvars[0])
@@ -67,8 +77,8 @@ def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
     elif gi and gj:
       # A merged or split axis is no parameter axis, but stays dispatched: the major
       # part of a split dispatched axis ([E * C] -> [E, C]) indexes the experts.
-      flags = frozenset(t for i in gi for t in x.axes[i]
-                        if not isinstance(t[0], int) and t[0] != 's')
+      flags = _info.lose_units(frozenset(t for i in gi for t in x.axes[i]
+                                         if not isinstance(t[0], int) and t[0] != 's'))
       if len(gj) == 1:
         # The merged axes are remembered, to be given back if split apart again; parts
         # of one split axis merged back in order are that axis again.
@@ -105,6 +115,7 @@ def width_one(tokens: frozenset, before: int, after: int, start: Optional[int]) 
   return tokens | {('1', (*t, start)) for t in _info.params_of(tokens)}
 
 
+@_analysis.keeps_positions
 def transpose(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   del an
   x, perm = ins[0], eqn.params['permutation']
@@ -112,6 +123,7 @@ def transpose(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   return [x._replace(axes=tuple(x.axes[p] for p in perm), iota=iota, columns=())]
 
 
+@_analysis.keeps_positions
 def squeeze(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   x = ins[0]
   ndim = len(x.axes)
@@ -180,7 +192,11 @@ def _stacked(an: _analysis.Analysis, ins: list[Info], axes: list[frozenset], axi
              ) -> list[Info]:
   """The output of stacking (or concatenating width-1 pieces) along `axis`."""
   regained = _regained(an, ins)
-  axes[axis] = axes[axis] | frozenset(regained)
+  axes[axis] = _info.lose_units(axes[axis]) | frozenset(regained)
+  units = _units.joined(ins)
+  if units:
+    axes[axis] = axes[axis] | {('u', units)}
+    an.joins = True
   piece = frozenset(t for x in ins for t in _info.pieces(x) if t[:2] not in regained)
   data, routed = _info.common(ins)
   ids = {x.eid for x in ins}
@@ -188,11 +204,13 @@ def _stacked(an: _analysis.Analysis, ins: list[Info], axes: list[frozenset], axi
                piece=piece)]
 
 
+@_analysis.keeps_positions
 def stack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """`jnp.stack`: a new axis at `axis`, the operands' axes joined around it.
 
   The new axis is no parameter's own axis, unless the operands are computed from the
-  pieces of one, piece `i` at position `i` (`stack([x @ w[e] for e in range(E)])`).
+  pieces of one, piece `i` at position `i` (`stack([x @ w[e] for e in range(E)])`); it
+  joins the units the operands are computed from (`stack([x @ w0, x @ w1])`).
   """
   axis = eqn.params['axis'] % len(_info.shape_of(eqn.outvars[0]))
   rank = len(ins[0].axes)
@@ -200,6 +218,7 @@ def stack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   return _stacked(an, ins, axes[:axis] + [EMPTY] + axes[axis:], axis)
 
 
+@_analysis.keeps_positions
 def concatenate(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """A concatenated axis is no parameter's own axis (but see `stack`).
 
@@ -212,7 +231,7 @@ def concatenate(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   for ax in range(len(shape)):
     tokens = frozenset().union(*(x.axes[ax] for x in ins))
     if ax == dim:
-      tokens = frozenset(t for t in tokens if not isinstance(t[0], int))
+      tokens = _info.lose_units(frozenset(t for t in tokens if not isinstance(t[0], int)))
     axes.append(tokens)
   widths = [_info.shape_of(v)[dim] for v in eqn.invars]
   if all(w == 1 for w in widths):

@@ -678,3 +678,56 @@ def test_nearest_fit_gives_every_width_a_block_and_exact_fit_refuses():
   assert np.array_equal(a.codes, b.codes) and np.array_equal(a.scales, b.scales)
   with pytest.raises(ValueError, match='`fit`'):
     sj.Blockwise(8, 256, fit='pad')
+
+
+def test_stochastic_rounding_is_unbiased_within_one_level_and_reproducible():
+  # floor(Q x / s + u): each code is one of the two levels around Q x / s, and the mean
+  # over keys is x (the standard error over 400 keys of a level spacing s / Q is at most
+  # s / (2 Q sqrt(400)), so 5 of them bound the mean's error for every element).
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 64)), jnp.float32)
+  codec = sj.Blockwise(4, 64, rounding='stochastic').for_leaf(x.shape)
+  nearest = sj.Blockwise(4, 64).for_leaf(x.shape)
+  s = np.abs(np.asarray(x)).max(-1, keepdims=True)
+  q = 7
+  keys = jax.random.split(jax.random.key(1), 400)
+  decoded = np.stack([np.asarray(codec.decode(codec.encode(x, k))) for k in keys[:400]])
+  assert np.all(np.abs(decoded - np.asarray(x)) <= s / q * (1 + 1e-6))  # within a level
+  assert np.all(np.abs(decoded.mean(0) - np.asarray(x)) <= 5 * s / (2 * q * 20))
+  # Same key, same codes; round-to-nearest's error is up to half a level, biased per element.
+  a, b = codec.encode(x, keys[0]), codec.encode(x, keys[0])
+  assert np.array_equal(a.codes, b.codes)
+  assert not np.array_equal(a.codes, codec.encode(x, keys[1]).codes)
+  assert np.all(np.abs(np.asarray(nearest.decode(nearest.encode(x))) - np.asarray(x))
+                <= s / (2 * q) * (1 + 1e-6))
+  with pytest.raises(ValueError, match='needs a PRNG `key`'):
+    codec.encode(x)
+  with pytest.raises(ValueError, match="needs `mapping='linear'`"):
+    sj.Blockwise(4, 64, 'dynamic', rounding='stochastic')
+  with pytest.raises(ValueError, match='`rounding`'):
+    sj.Blockwise(4, 64, rounding='up')
+
+
+def test_stochastic_codec_in_a_tier_draws_by_step_and_leaf():
+  # The tier's key is a function of the step count and the leaf's path only: two runs
+  # are bitwise equal (same process, same program), and a run resumed from its state at
+  # step 3 ends bitwise where the uninterrupted run ends.
+  tier = sj.MUON_CODED_TIERS['experts'].replace(
+      mu_codec=sj.Blockwise(4, 64, rounding='stochastic'))
+  tx = sj.scale_by_tiered_adam(tier=tier, batch_axes={'a': (0,), 'b': (0,)})
+  params = {'a': jnp.zeros((2, 16, 64)), 'b': jnp.zeros((2, 16, 64))}
+  grads = [jax.tree.map(lambda p, i=i: jnp.cos(jnp.arange(p.size, dtype=jnp.float32)
+                                                * (i + 1) / 7).reshape(p.shape), params)
+           for i in range(6)]
+  update = jax.jit(tx.update)
+
+  def run(state, gs):
+    for g in gs:
+      _, state = update(g, state)
+    return state
+
+  full = run(tx.init(params), grads)
+  again = run(run(tx.init(params), grads[:3]), grads[3:])
+  for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(again)):
+    assert np.array_equal(x, y)
+  # The two leaves see the same gradients but draw different numbers.
+  assert not np.array_equal(full.mu['a'].codes, full.mu['b'].codes)

@@ -37,6 +37,10 @@ warmup + cosine learning-rate schedule. Names:
   as 8-bit codes (blocks of 256).
 * `skewadam-muon-coded-8bit`: the same with 8-bit codes (blocks of 256) on both.
 * `skewadam-muon-coded-4bit`: the same with 4-bit codes (blocks of 64) on both.
+* `skewadam-muon-coded-4bit-experts-dynamic`: `sj.MUON_CODED_TIERS` with the dynamic-
+  exponent map for the experts' 4-bit codes instead of the linear one.
+* `skewadam-muon-coded-4bit-experts-stochastic`: the same with stochastic rounding of
+  the experts' 4-bit linear codes instead of round-to-nearest.
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
   (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
@@ -84,7 +88,8 @@ OPTIMIZERS = (
     'skewadam-floor-backbone-router-momentum', 'skewadam-router-adam-eps',
     'skewadam-router-adam-eps-momentum', 'skewadam-muon', 'skewadam-muon-orthogonal-experts',
     'skewadam-muon-expert-momentum', 'skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit',
-    'skewadam-muon-coded-4bit-experts',
+    'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-dynamic',
+    'skewadam-muon-coded-4bit-experts-stochastic',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -151,6 +156,12 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
         second_moment=sj.Orthogonal(fallback=sj.Factored())))
   if name == 'skewadam-muon-coded-4bit-experts':  # the shipped `sj.MUON_CODED_TIERS`
     return dict(sj.MUON_CODED_TIERS)
+  if name in ('skewadam-muon-coded-4bit-experts-dynamic',
+              'skewadam-muon-coded-4bit-experts-stochastic'):
+    coded = sj.MUON_CODED_TIERS
+    codec = (sj.Blockwise(4, 64, 'dynamic', fit='nearest') if name.endswith('dynamic') else
+             sj.Blockwise(4, 64, 'linear', fit='nearest', rounding='stochastic'))
+    return dict(coded, experts=coded['experts'].replace(mu_codec=codec))
   if name in ('skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit'):
     coded = sj.MUON_CODED_TIERS
     codec = (sj.Blockwise(8, 256, 'linear', fit='nearest') if name.endswith('8bit')

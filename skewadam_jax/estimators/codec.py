@@ -60,6 +60,7 @@ from skewadam_jax.estimators import blocks as _blocks
 MAPPINGS = ('linear', 'dynamic')
 BITS = (4, 8)
 FITS = ('exact', 'nearest')
+ROUNDINGS = ('nearest', 'stochastic')
 MAX_LISTED_SIZES = 12  # block sizes an error lists before it says how many more fit
 
 
@@ -95,8 +96,15 @@ class StateCodec(abc.ABC):
     not fit the codec."""
 
   @abc.abstractmethod
-  def encode(self, x: jax.Array) -> Any:
-    """`x` (float32, the bound leaf's shape) encoded: a pytree of `init`'s structure."""
+  def encode(self, x: jax.Array, key: Optional[jax.Array] = None) -> Any:
+    """`x` (float32, the bound leaf's shape) encoded: a pytree of `init`'s structure.
+    `key`: a PRNG key for a codec that rounds stochastically (`needs_key`), else None."""
+
+  @property
+  def needs_key(self) -> bool:
+    """Whether `encode` draws random numbers (the tier then passes a key that is a
+    function of the step count and the leaf's path, so a resumed run draws the same)."""
+    return False
 
   @abc.abstractmethod
   def decode(self, stored: Any) -> jax.Array:
@@ -130,6 +138,10 @@ class Blockwise(StateCodec):
       size nearest to `block_size` on a log scale (the smaller on a tie), e.g. 228 for
       a `[2048, 10944]` matrix at 256, so that one codec serves any model's widths.
       `memory_report` counts the bytes of the sizes chosen.
+    rounding: `'nearest'` (deterministic round to nearest) or `'stochastic'` (linear map
+      only: `floor(Q x / s + u)`, `u ~ U[0, 1)`, an unbiased rounding, so that a small
+      `(1 - b1) g` is not rounded away step after step; the key is a function of the
+      step count and the leaf's path).
     shape: the bound leaf's shape (`for_leaf` sets it), or None.
     batch_axes: the bound leaf's batch axes (`for_leaf` sets them), or None (default).
 
@@ -150,6 +162,7 @@ class Blockwise(StateCodec):
   block_size: int = 256
   mapping: str = 'linear'
   fit: str = 'exact'
+  rounding: str = 'nearest'
   shape: Optional[tuple[int, ...]] = None
   batch_axes: Optional[tuple[int, ...]] = None
 
@@ -163,6 +176,10 @@ class Blockwise(StateCodec):
                        f'byte), got {self.block_size}.')
     _checks.check_choice('mapping', self.mapping, MAPPINGS)
     _checks.check_choice('fit', self.fit, FITS)
+    _checks.check_choice('rounding', self.rounding, ROUNDINGS)
+    if self.rounding == 'stochastic' and self.mapping != 'linear':
+      raise ValueError("`rounding='stochastic'` of sj.Blockwise needs `mapping='linear'`, "
+                       f'got mapping={self.mapping!r}.')
     if self.shape is not None:
       object.__setattr__(self, 'shape', tuple(int(n) for n in self.shape))
     if self.batch_axes is not None:
@@ -230,7 +247,13 @@ class Blockwise(StateCodec):
       codes = _blocks.pack_nibbles(codes, codec._pack_axis())
     return Coded(codes, scales)
 
-  def encode(self, x: jax.Array) -> Coded:
+  @property
+  def needs_key(self) -> bool:
+    return self.rounding == 'stochastic'
+
+  def encode(self, x: jax.Array, key: Optional[jax.Array] = None) -> Coded:
+    if self.needs_key and key is None:
+      raise ValueError("sj.Blockwise(rounding='stochastic').encode needs a PRNG `key`.")
     extents = self._bound(tuple(x.shape), 'leaf')._extents()
     spec = _blocks.explicit_spec(x)
     blocks = _blocks.reshape(x.astype(jnp.float32), _blocks.split_shape(x.shape, extents),
@@ -240,7 +263,11 @@ class Blockwise(StateCodec):
     y = blocks / jnp.where(absmax > 0, absmax, 1.0)
     if self.mapping == 'linear':
       q = 2**(self.bits - 1) - 1
-      codes = (jnp.round(y * q) + q).astype(jnp.uint8)
+      if self.needs_key:  # floor(y q + u) lies in [-q, q] since |y| <= 1 and u < 1
+        u = jax.random.uniform(key, y.shape, jnp.float32)
+        codes = (jnp.floor(y * q + u) + q).astype(jnp.uint8)
+      else:
+        codes = (jnp.round(y * q) + q).astype(jnp.uint8)
     else:
       mids = _blocks.midpoints(_blocks.dynamic_map(self.bits))
       codes = _blocks.nearest(y, mids, self.bits).astype(jnp.uint8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
@@ -165,6 +166,13 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
   return estimator, present
 
 
+def _codec_key(t: jax.Array, path: str) -> jax.Array:
+  """The key of a stochastic codec at step `t` for leaf `path`: a function of both only,
+  so that a run resumed from a checkpoint draws what the uninterrupted run drew."""
+  key = jax.random.fold_in(jax.random.key(0), zlib.crc32(path.encode()) & 0x7FFFFFFF)
+  return jax.random.fold_in(key, t.astype(jnp.uint32))
+
+
 class Deferred(NamedTuple):
   """A leaf's update waiting for its Newton-Schulz iteration (`Orthogonal.prepare`)."""
   mats: jax.Array  # shape=[n, R, C] float32: the matrices to orthogonalise
@@ -194,7 +202,7 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     # inside it, and the update is computed from `m` itself (as 8-bit Adam does), so the
     # codes' error enters through the next step's decode only.
     m = b1 * codec.decode(mu) + (1.0 - b1) * g.astype(jnp.float32)
-    stored = codec.encode(m)
+    stored = codec.encode(m, _codec_key(t, path)) if codec.needs_key else codec.encode(m)
     mu = m
   elif tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax import contrib
 from tqdm import tqdm
 
 import skewadam_jax as sj
@@ -59,6 +60,8 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
                                                tiers=sj.MUON_CODED_TIERS),
     'skewadam-muon-expert-momentum': lambda: sj.skewadam(LR, weight_decay=WD, tiers={
         name: tier.replace(mu_codec=None) for name, tier in sj.MUON_CODED_TIERS.items()}),
+    'muon': lambda: contrib.muon(LR, weight_decay=WD,
+                                 muon_weight_dimension_numbers=_muon_dims),
 }
 # With --state-dtype float32, the optimizers whose state is initialised on a float32
 # view of the parameters; their state then stays float32 through updates with bf16
@@ -75,18 +78,31 @@ LABELS = {
     'skewadam-muon': 'SkewAdam (MUON_TIERS)',
     'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS: 8-bit hidden, 4-bit experts)',
     'skewadam-muon-expert-momentum': 'SkewAdam (MUON_CODED_TIERS with fp32 momentum)',
+    'muon': 'optax.contrib.muon (experts per expert)',
 }
 
 
-def moe_config(dtype: str):
-  """The 6.78B configuration with every width divided by 8 (128.7M parameters)."""
-  return get_config('paper-6.78b', d_model=512, n_heads=32, n_kv_heads=8, head_dim=16,
-                    d_ff=512, d_expert=512, param_dtype=dtype)
+def moe_config(dtype: str, width: int = 512):
+  """The 6.78B configuration with every width `width` (512: divided by 8, 128.7M
+  parameters; 32 query and 8 KV heads of `width / 32`)."""
+  return get_config('paper-6.78b', d_model=width, n_heads=32, n_kv_heads=8,
+                    head_dim=width // 32, d_ff=width, d_expert=width, param_dtype=dtype)
 
 
-def make_tree(dtype: str, seed: int) -> tuple[Any, Any]:
+def _muon_dims(params: Any) -> Any:
+  """optax.contrib.muon on every matrix (stacked experts as batches); Adam on the rest."""
+  def dims(x):
+    if x.ndim == 2:
+      return contrib.MuonDimensionNumbers(0, 1)
+    if x.ndim == 3:
+      return contrib.MuonDimensionNumbers(1, 2)
+    return None
+  return jax.tree.map(dims, params)
+
+
+def make_tree(dtype: str, seed: int, width: int = 512) -> tuple[Any, Any]:
   """Concrete (params, grads) of the MoE-shaped tree as plain nested dicts."""
-  abstract = abstract_params(moe_config(dtype)).to_pure_dict()
+  abstract = abstract_params(moe_config(dtype, width)).to_pure_dict()
   leaves, treedef = jax.tree.flatten(abstract)
   keys = jax.random.split(jax.random.key(seed), 2 * len(leaves))
   params = [(0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
@@ -175,8 +191,8 @@ class Runner:
 
 
 def run(names: list[str], dtype: str, rounds: int, warmup: int, by_tier: bool,
-        f32_state: bool = False) -> dict[str, Any]:
-  params, grads = make_tree(dtype, seed=0)
+        f32_state: bool = False, width: int = 512) -> dict[str, Any]:
+  params, grads = make_tree(dtype, seed=0, width=width)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   runners = {}
@@ -330,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
               # `(default: True)` would read as if the flag were on by default.
               help='skip AdamW vs SkewAdam on the expert and backbone leaves alone '
                    '(timing them when not given: %(default)s)')
+  _cli.option(ap, '--width', type=int, default=512,
+              help='d_model = d_ff = d_expert (512: 128.7M parameters; a multiple of 32)')
   _cli.option(ap, '--out', default=str(RESULTS), help='directory for the JSON, markdown, PNG')
   return ap
 
@@ -339,7 +357,7 @@ def main() -> None:
   names = ['adamw'] + [n for n in args.only if n != 'adamw']
 
   f32_state = args.state_dtype == 'float32'
-  res = run(names, args.dtype, args.rounds, args.warmup, args.by_tier, f32_state)
+  res = run(names, args.dtype, args.rounds, args.warmup, args.by_tier, f32_state, args.width)
   cores = len(os.sched_getaffinity(0))
   res.update(command=_common.command(), machine=_common.machine(), cores_used=cores)
   if jax.default_backend() == 'cpu':
@@ -348,6 +366,8 @@ def main() -> None:
     device = jax.devices()[0]
     tag = f'step_time_{device.platform}_{args.dtype}'
     where = device.device_kind
+  if args.width != 512:
+    tag += f'_w{args.width}'
   if f32_state:
     tag += '_f32state'
     where += ', float32 AdamW/AdamPM state'

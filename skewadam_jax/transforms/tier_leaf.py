@@ -241,18 +241,34 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   return end(*estimator.update(g, present, x, step))
 
 
+# A shared iteration holds its float32 temporaries for every matrix of the call at
+# once, where leaf-by-leaf calls each held their own: calls are filled up to the largest
+# leaf of the shape (and at least this many elements), so the many small matrices of a
+# model share a few calls while the peak stays that of its largest leaf.
+MIN_SHARED_ELEMENTS = 1 << 20
+
+
 def resolve(out: list[Any]) -> list[tuple[jax.Array, dict[str, Any]]]:
-  """`out` with every `Deferred` completed: one batched Newton-Schulz iteration per
-  matrix shape (and iteration), instead of one per leaf; the same result per matrix."""
+  """`out` with every `Deferred` completed: the leaves of one matrix shape (and
+  iteration) share batched Newton-Schulz calls, each holding at most as many elements
+  as the largest of those leaves (or `MIN_SHARED_ELEMENTS`), instead of one call per
+  leaf; the same operations per matrix."""
   groups: dict[tuple[Any, ...], list[int]] = {}
   for i, o in enumerate(out):
     if isinstance(o, Deferred):
       groups.setdefault(o.key, []).append(i)
   out = list(out)
   for idx in groups.values():
+    budget = max(MIN_SHARED_ELEMENTS, max(out[i].mats.size for i in idx))
+    calls: list[list[int]] = [[]]
+    for i in idx:
+      if calls[-1] and sum(out[j].mats.size for j in calls[-1]) + out[i].mats.size > budget:
+        calls.append([])
+      calls[-1].append(i)
     est = out[idx[0]].estimator
-    orthogonal = _orthogonal.newton_schulz_shared(
-        [out[i].mats for i in idx], est.ns_coeffs, est.ns_steps, est.eps)
-    for i, o in zip(idx, orthogonal):
-      out[i] = out[i].resume(o)
+    for call in calls:
+      orthogonal = _orthogonal.newton_schulz_shared(
+          [out[i].mats for i in call], est.ns_coeffs, est.ns_steps, est.eps)
+      for i, o in zip(call, orthogonal):
+        out[i] = out[i].resume(o)
   return out

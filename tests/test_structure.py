@@ -661,6 +661,22 @@ def test_roles_from_the_computation_and_the_hidden_tier_they_give():
   assert table['w1'] == 'experts' and table['r'] == 'router'
 
 
+def test_a_gate_with_one_column_is_a_hidden_matrix_but_not_orthogonalised():
+  """A shared expert's output gate `[d, 1]` is contracted with activations (its role), but
+  its matrix is a vector: Muon's update would only normalise it, so it stays backbone."""
+
+  def fn(p, x):
+    h = x @ p['w']
+    return jnp.mean((jax.nn.sigmoid(h @ p['gate']) * (h @ p['v'])) @ p['o'])
+
+  p = {'w': jnp.zeros((D, D)), 'gate': jnp.zeros((D, 1)), 'v': jnp.zeros((D, D)),
+       'o': jnp.zeros((D, D))}
+  result = sj.trace_structure(fn, p, jax.ShapeDtypeStruct((T, D), jnp.float32))
+  assert result.roles['gate'] == 'hidden matrix'
+  assert result.labels_for(sj.MUON_TIERS) == {'w': 'hidden', 'gate': 'backbone', 'v': 'hidden',
+                                              'o': 'backbone'}
+
+
 def test_triangular_solve_keeps_batch_axes_and_other_linear_algebra_is_read():
   def fn(p, x):  # a chunked delta rule's solve, per expert: [E, T, T] \ [E, T, F]
     k = x @ p['k']

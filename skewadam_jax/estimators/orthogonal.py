@@ -62,6 +62,20 @@ from skewadam_jax.estimators.base import Step
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
+def has_matrix(shape: tuple[int, ...], batch_axes: tuple[int, ...]) -> bool:
+  """Whether a leaf of `shape` with `batch_axes` holds matrices worth orthogonalising.
+
+  Each matrix is `[R, C]` as `Orthogonal` lays it out (the rows' product, the column).
+  With a side of 1 (a gate `[d, 1]`, a row `[1, d]`) it is a vector: its orthogonal
+  polar factor is only its direction, the update of normalised gradient descent, with
+  nothing of Adam's per-entry scale. So it needs two non-batch axes, both sides > 1.
+  """
+  layout = _second_moment.Layout.of(len(shape), tuple(batch_axes))
+  if len(layout.matrix) < 2:
+    return False
+  return min(math.prod(shape[a] for a in layout.rows), shape[layout.col]) > 1
+
+
 def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
                   steps: int = 5, eps: float = 1e-8) -> jax.Array:
   """Approximate polar factor of each matrix `x[..., R, C]` (float32), batched.

@@ -2,50 +2,137 @@
 
 Muon orthogonalises the hidden layers' weight matrices only; embeddings, output heads,
 norms and biases keep an Adam-like rule (Jordan et al. 2024). `hidden_param_labels`
-splits the `backbone` tier of `moe_param_labels` accordingly: a backbone leaf becomes
-`hidden` when
+splits the `backbone` tier of `moe_param_labels` accordingly, from paths and shapes
+(`sj.trace_structure` reads the same from what the model computes). A backbone leaf is
 
-1. its non-batch part is a matrix (two or more axes once the batch axes of
-   `moe_batch_axes` are set aside: `[in, out]`, a scanned `[L, in, out]`, an attention
-   kernel `[d, heads, head_dim]`), and
-2. it is not embedding-like: no path segment names an embedding (`EMBEDDING_PATTERNS`:
-   `*embed*`, `wte`, `wpe`, `lm_head`, `*vocab*`, `*logits*`), and none of its matrix
-   axes has the vocabulary's size `V`: the first axis of a table `[V, d]` so named,
-   where `V > d` (the largest such, if several). So an untied output head `[d, V]` is
-   found by its shape whatever it is called.
+1. **not hidden** when it holds no matrix worth orthogonalising: fewer than two axes
+   beside the batch axes of `moe_batch_axes`, or a side of 1 (a gate `[d, 1]`:
+   `orthogonal.has_matrix`); when it is named a bias or a scale (`bias [heads,
+   head_dim]`); when it is a per-channel convolution filter (under a `*conv*` module,
+   with no input-channel axis, or one of length 1: a depthwise `[k, 1, C]` or `[C, k]`,
+   whose taps are no feature space); when a path segment names an embedding
+   (`EMBEDDING_PATTERNS`: `*embed*`, `wte`, `wpe`, `lm_head`, `*vocab*`, `*logits*`);
+   or when one of its matrix axes has the vocabulary's size `V`, the first axis of a
+   table `[V, d]` so named with `V > d` (so an untied head `[d, V]` is found whatever
+   it is called);
+2. **hidden** when a module of its path names a part of a block (`BLOCK_PATTERNS`:
+   attention, MLP, a shared expert, a `*_proj`ection), or when it is repeated across
+   layers (scanned axes, or the same shape at the same path in numbered siblings,
+   `layers/0` and `layers/1`, `block_0` and `block_1`): an embedding or an output head
+   is used once per model; or when it has three matrix axes or more (an attention
+   kernel `[d, heads, head_dim]`, a convolution): embeddings and heads are 2-D;
+3. **not hidden** when its own module names an output head (`HEAD_PATTERNS`: `head`,
+   `*_head`, `output`, `classifier`);
+4. otherwise **unsure**: a 2-D matrix used once that no name tells from an embedding or
+   an output layer (`{'a': [V, d], 'z': [d, V]}`, a bare `w`, `proj` or `table`). It
+   stays `backbone`, the Adam-like rule that suits either, and is reported in the
+   call's one `UnsureLabelWarning`, whose fix is the roles of `sj.trace_structure`.
 
-A positional table `[max_len, d]` is found by its name only (its shape is a hidden
-one's), as is an embedding whose vocabulary is no larger than the width. Only paths and
-shapes are used, so `init` and `update` see the same labels.
+Only paths and shapes are used, so `init` and `update` see the same labels.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Optional
+import re
+from typing import Any, Optional, Sequence
 
+from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.structure import axes as _axes
+from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure import rules as _rules
-from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.structure import warning as _warning
 
 HIDDEN_TIER = 'hidden'
 # Path segments (case-insensitive globs) that name an embedding or an output head.
 EMBEDDING_PATTERNS = ('*embed*', 'wte', 'wpe', 'lm_head', '*vocab*', '*logits*')
+# A leaf's own module (case-insensitive globs) that names an output head. Only its own:
+# `output` is also a module of BERT's attention and MLP blocks (`output/dense`).
+HEAD_PATTERNS = ('head', '*_head', 'output', 'classifier')
+# Path segments of the blocks whose matrices are hidden: attention and MLP blocks, shared
+# experts (the dense modules of `rules.DEFAULT_RULES` and `rules.DENSE_RULES`) and the
+# projections in them (`q_proj`, `down_proj`, `out_proj`, GPT-2's `c_proj`).
+BLOCK_PATTERNS = ('*attn*', '*attention*', '*mlp*', '*ffn*', '*ffw*', '*feed_forward*',
+                  '*feedforward*', '*shared_expert*', '*_proj')
+# The names a module gives its own matrix: the module is the segment before them.
+_PARAM_NAMES = ('kernel', 'weight', 'w', 'embedding')
+# A numbered sibling: a list index (`layers/0`) or a numbered module (`block_0`).
+_NUMBERED = re.compile(r'^(?:(.*)_)?\d+$')
+_SHOWN = 8  # unsure leaves named in the warning line; the others are counted
+
+
+def _matches(segment: str, patterns: Sequence[str]) -> bool:
+  return any(fnmatch.fnmatchcase(segment, p) for p in patterns)
 
 
 def _named_embedding(segs: tuple[str, ...]) -> bool:
-  return any(fnmatch.fnmatchcase(s.lower(), p) for s in segs for p in EMBEDDING_PATTERNS)
+  return any(_matches(s.lower(), EMBEDDING_PATTERNS) for s in segs)
 
 
+def _module(segs: tuple[str, ...]) -> str:
+  """The leaf's own module: `lm_head` of `lm_head/kernel`, `output` of a bare `output`."""
+  return segs[-2] if len(segs) > 1 and segs[-1] in _PARAM_NAMES else (segs or ('',))[-1]
+
+
+def _per_channel_filter(leaf: _paths.Leaf, core: tuple[int, ...]) -> bool:
+  """A convolution kernel (axes `core` besides the scanned ones) with no input-channel
+  axis, or one of length 1 (depthwise): `[*taps, in, out]`, `[out, in, *taps]` as a
+  PyTorch `weight`."""
+  if not any('conv' in s for s in leaf.segs[:-1] + (_module(leaf.segs),)):
+    return False
+  if len(core) < 3:
+    return True  # [C, k] or [k, C]: one tap axis, one channel axis
+  return leaf.shape[core[1] if leaf.segs[-1] == 'weight' else core[-2]] == 1
+
+
+def _unnumbered(segment: str) -> str:
+  """`#` for a list index, `block_#` for `block_3`: what numbered siblings share."""
+  found = _NUMBERED.match(segment)
+  if found is None:
+    return segment
+  return '#' if found.group(1) is None else f'{found.group(1)}_#'
+
+
+def _repeated(leaves: list[_paths.Leaf]) -> list[bool]:
+  """Whether each leaf is one of a stack of layers: scanned axes, or the same shape at
+  the same path in another numbered sibling (paths are unique, so a leaf shares its key
+  only through a numbered segment)."""
+  keys = [(tuple(_unnumbered(s) for s in leaf.segs), leaf.shape) for leaf in leaves]
+  counts: dict[Any, int] = {}
+  for key in keys:
+    counts[key] = counts.get(key, 0) + 1
+  return [bool(leaf.scan) or counts[key] > 1 for leaf, key in zip(leaves, keys)]
+
+
+def _reading(leaf: _paths.Leaf, vocab: Optional[int], repeated: bool) -> Optional[bool]:
+  """True: a hidden matrix; False: not one; None: names and shapes cannot tell."""
+  batch = tuple(sorted(leaf.axes or ()))
+  if not _orthogonal.has_matrix(leaf.shape, batch) or _kernels.is_vector(leaf.segs):
+    return False
+  core = tuple(a for a in range(len(leaf.shape)) if a not in leaf.scan)
+  if _per_channel_filter(leaf, core) or _named_embedding(leaf.segs):
+    return False
+  matrix = _second_moment.Layout.of(len(leaf.shape), batch).matrix
+  if vocab is not None and vocab in [leaf.shape[a] for a in matrix]:
+    return False
+  if repeated or len(core) >= 3 or any(_matches(s, BLOCK_PATTERNS) for s in leaf.segs):
+    return True
+  return False if _matches(_module(leaf.segs), HEAD_PATTERNS) else None
+
+
+@_warning.reported_once
 def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
   """`moe_param_labels` (or `param_labels`) with the backbone's hidden matrices `hidden`.
 
   The tier name a Muon-style policy (`sj.MUON_TIERS`) gives its orthogonalised tier;
   `sj.skewadam` and `sj.label_table` use these labels by default when `tiers` has a
   `'hidden'` tier. Pass it as `param_labels` to `sj.memory_report` for a per-tier
-  breakdown with the hidden tier apart.
+  breakdown with the hidden tier apart. A 2-D matrix used once whose names say neither
+  (an embedding or output layer, or a hidden matrix) stays `backbone` and is reported
+  in one `sj.UnsureLabelWarning`; `sj.trace_structure` reads it from the computation.
 
   Args:
     params: a pytree of arrays, `jax.ShapeDtypeStruct`s or Flax variables.
@@ -63,18 +150,33 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
     {'embed': 'backbone', 'mlp': 'hidden', 'norm': 'backbone', 'out': 'backbone'}
   """
   labels = _labels.resolve_labels(params, param_labels)
-  leaves, treedef = _paths.leaves_of(params)
-  flat_labels = treedef.flatten_up_to(labels)
-  axes = treedef.flatten_up_to(_axes.moe_batch_axes(params, labels))
+  leaves, treedef = _axes.decide(params, labels)  # batch axes, scanned axes
   vocab = _vocab_size([x.shape for x in leaves if _named_embedding(x.segs)])
-  out = []
-  for leaf, label, ax in zip(leaves, flat_labels, axes):
-    matrix = _second_moment.Layout.of(len(leaf.shape), tuple(ax)).matrix
-    hidden = (label == _rules.DEFAULT_TIER and len(matrix) >= 2
-              and not _named_embedding(leaf.segs)
-              and (vocab is None or vocab not in [leaf.shape[a] for a in matrix]))
+  out, unsure = [], []
+  for leaf, label, again in zip(leaves, treedef.flatten_up_to(labels), _repeated(leaves)):
+    hidden = None
+    if label == _rules.DEFAULT_TIER:
+      hidden = _reading(leaf, vocab, again)
+      if hidden is None:
+        unsure.append(leaf)
     out.append(HIDDEN_TIER if hidden else label)
+  if unsure:
+    _warning.report([_unsure_line(unsure)], strict=False)
   return treedef.unflatten(out)
+
+
+def _unsure_line(leaves: list[_paths.Leaf]) -> str:
+  """One line for every unsure matrix (one per leaf would push others out)."""
+  shown = ', '.join(f'{x.path} {list(x.shape)}' for x in leaves[:_SHOWN])
+  if len(leaves) > _SHOWN:
+    shown += f' and {len(leaves) - _SHOWN} more'
+  return (f"{shown}: 2-D matrices used once (not repeated across layers) that no name "
+          'marks as an embedding, an output head or a part of an attention or MLP '
+          'block: a hidden matrix, or an embedding or output layer that Muon must not '
+          "orthogonalise, which names and shapes cannot tell apart; labelled 'backbone' "
+          '(the Adam-like rule, safe for either), not hidden; to orthogonalise the '
+          'hidden ones, give the trace below with your policy: '
+          'sj.skewadam(learning_rate, tiers=sj.MUON_TIERS, param_labels=trace)')
 
 
 def _vocab_size(shapes: list[tuple[int, ...]]) -> Optional[int]:

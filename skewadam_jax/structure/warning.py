@@ -32,8 +32,9 @@ FIX = ('The labels of a model are read from what it computes, whatever its leave
        'containers are called: call sj.trace_structure with your loss (or forward) '
        'function and an example batch (arrays or jax.ShapeDtypeStruct):\n\n'
        '    trace = sj.trace_structure(loss_fn, params, batch)\n'
-       '    tx = sj.skewadam(learning_rate, param_labels=trace.labels, '
-       'batch_axes=trace.batch_axes)\n\n'
+       '    tx = sj.skewadam(learning_rate, param_labels=trace)\n\n'
+       "(the trace gives the labels, the batch axes and, to a policy with a 'hidden' "
+       'tier such as tiers=sj.MUON_TIERS, the hidden matrices by what each leaf does), '
        'or settle each leaf with the rule given above, in '
        "sj.make_labeler([('<pattern>', '<tier>')]) (strict=True makes this an error).")
 

@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 import jax
 
+from skewadam_jax.estimators import orthogonal as _orthogonal
+
 BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
 HIDDEN = 'hidden'  # the tier a Muon-style policy orthogonalises (`sj.MUON_TIERS`)
 
@@ -67,11 +69,13 @@ class Structure:
   def labels_for(self, tiers: Any) -> Any:
     """`labels` for a tier policy: with a `'hidden'` tier (`sj.MUON_TIERS`), the
     backbone leaves whose role is a hidden matrix get it (not embeddings, output
-    layers, biases or gains, whatever their names and shapes)."""
+    layers, biases or gains, whatever their names and shapes), unless a side of their
+    matrix is 1 (a gate `[d, 1]`: a vector, `orthogonal.has_matrix`)."""
     if HIDDEN not in tiers:
       return self.labels
     hidden = {leaf.path for leaf in self.leaves
-              if leaf.tier == BACKBONE and leaf.role == HIDDEN_MATRIX}
+              if leaf.tier == BACKBONE and leaf.role == HIDDEN_MATRIX
+              and _orthogonal.has_matrix(leaf.shape, leaf.batch_axes)}
     flat, treedef = jax.tree_util.tree_flatten(self.labels, is_leaf=lambda x: x is None)
     order = iter(leaf.path for leaf in self.leaves)
     out = [x if x is None else (HIDDEN if next(order) in hidden else x) for x in flat]

@@ -47,15 +47,22 @@ LABELS = {'embed': 'backbone', 'norm': 'backbone', 'q_proj': 'backbone',
           'moe': {'router': 'router', 'experts': {'w1': 'experts', 'w2': 'experts'}}}
 
 
-def make_tx(expert_block: int = 32, orthogonal: bool = True) -> optax.GradientTransformation:
+def make_tx(expert_block: int = 32, orthogonal: bool = True, stochastic: bool = False
+            ) -> optax.GradientTransformation:
   # The orthogonal estimator's Gram products do not run under an Explicit mesh that
   # shards a matrix axis (XLA asks for their output sharding): factored experts there.
+  # `stochastic`: both codecs linear with stochastic rounding (random bits drawn inside
+  # the step, which must not depend on the sharding).
+  rounding = 'stochastic' if stochastic else 'nearest'
   tiers = {
-      'backbone': sj.PUBLISHED_TIERS['backbone'].replace(mu_codec=sj.Blockwise(8, 16)),
+      'backbone': sj.PUBLISHED_TIERS['backbone'].replace(
+          mu_codec=sj.Blockwise(8, 16, rounding=rounding)),
       'experts': sj.Tier(nesterov=True, b1=0.95, clip_threshold=None,
                          second_moment=(sj.Orthogonal(fallback=sj.Factored()) if orthogonal
                                         else 'factored'),
-                         mu_codec=sj.Blockwise(4, expert_block, 'dynamic')),
+                         mu_codec=sj.Blockwise(4, expert_block,
+                                               'linear' if stochastic else 'dynamic',
+                                               rounding=rounding)),
       'router': sj.ADAM_ROUTER_TIERS['router'],
   }
   return sj.skewadam(1e-2, weight_decay=0.1, tiers=tiers, param_labels=LABELS)
@@ -91,17 +98,43 @@ def max_diff(a: Any, b: Any) -> float:
 def main(out: Path) -> None:
   tx = make_tx()
   host = init_params()
+  results: dict[str, Any] = {'devices': len(jax.devices())}
+  sharded_runs(tx, host, results, out)
+  explicit_runs(make_tx(orthogonal=False), host, results, '')
+  # Stochastic rounding: the same codes whatever the sharding.
+  stochastic = make_tx(stochastic=True)
+  sharded_runs(stochastic, host, results, None, 'stochastic_')
+  explicit_runs(make_tx(orthogonal=False, stochastic=True), host, results, 'stochastic_')
 
+  # Blocks of 64 along the experts' last axis, split over 'data' into 32 per shard.
+  mesh = jax.make_mesh((2, 2), ('data', 'expert'), axis_types=(AxisType.Auto,) * 2)
+  try:
+    sj.state_shardings(make_tx(expert_block=64), host,
+                       jax.tree.map(lambda s: NamedSharding(mesh, s), SPECS))
+    results['straddle_error'] = None
+  except ValueError as e:
+    results['straddle_error'] = str(e)
+  (out / 'codec.json').write_text(json.dumps(results, indent=1))
+
+
+def _stepper(tx: optax.GradientTransformation):
   def step(params, state, seed, t):
     updates, state = tx.update(grads_at(seed, t), state, params)
     return optax.apply_updates(params, updates), state
 
-  def run(params, state, seed, start, stop, jitted):
-    for i in range(start, stop):
-      params, state = jitted(params, state, seed, jnp.float32(i))
-    return params, state
+  return step
 
-  results: dict[str, Any] = {'devices': len(jax.devices())}
+
+def run(params, state, seed, start, stop, jitted):
+  for i in range(start, stop):
+    params, state = jitted(params, state, seed, jnp.float32(i))
+  return params, state
+
+
+def sharded_runs(tx: optax.GradientTransformation, host: Any, results: dict[str, Any],
+                 out: Any, tag: str = '') -> None:
+  """One device against an Auto mesh; with `out`, also the Orbax checkpoint checks."""
+  step = _stepper(tx)
   # One device.
   dev = jax.devices()[0]
   params = jax.device_put(host, dev)
@@ -116,6 +149,11 @@ def main(out: Path) -> None:
   state = jax.jit(tx.init, out_shardings=s_sh)(params)
   stepped = jax.jit(step, in_shardings=(p_sh, s_sh, p_sh, None), out_shardings=(p_sh, s_sh))
   half = run(params, state, params, 0, K, stepped)
+  if out is None:
+    sharded = run(*half, params, K, STEPS, stepped)
+    results[tag + 'sharded_vs_single_params_max_diff'] = max_diff(sharded[0], single[0])
+    results[tag + 'sharded_vs_single_codes_differ'] = _codes_differ(sharded, single)
+    return
   mu = half[1][0].mu
   results['mu_specs'] = {
       'embed': [list(mu['embed'].codes.sharding.spec), list(mu['embed'].scales.sharding.spec)],
@@ -144,12 +182,20 @@ def main(out: Path) -> None:
     results['other_codec_error'] = str(e)
   results['sharded_vs_single_bitwise'] = bitwise(sharded, single)
   results['sharded_vs_single_params_max_diff'] = max_diff(sharded[0], single[0])
-  results['sharded_vs_single_codes_differ'] = int(sum(
-      int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in zip(jax.tree.leaves(sharded[1]),
-                                           jax.tree.leaves(single[1])) if a.dtype == np.uint8))
+  results['sharded_vs_single_codes_differ'] = _codes_differ(sharded, single)
 
-  # Explicit mesh: jit(tx.init) places the state itself; sj.state_shardings agrees.
-  tx = make_tx(orthogonal=False)
+
+def _codes_differ(a: Any, b: Any) -> int:
+  return int(sum(int(np.sum(np.asarray(x) != np.asarray(y)))
+                 for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1]))
+                 if x.dtype == np.uint8))
+
+
+def explicit_runs(tx: optax.GradientTransformation, host: Any, results: dict[str, Any],
+                  tag: str) -> None:
+  """Explicit mesh: jit(tx.init) places the state itself; sj.state_shardings agrees."""
+  step = _stepper(tx)
+  dev = jax.devices()[0]
   params = jax.device_put(host, dev)
   single = run(params, jax.device_put(jax.jit(tx.init)(params), dev), params, 0, STEPS,
                jax.jit(step))
@@ -160,23 +206,16 @@ def main(out: Path) -> None:
     e_params = jax.device_put(host, e_sh)
     e_state = jax.jit(tx.init)(e_params)
     want = sj.state_shardings(tx, host, e_sh)
-    results['explicit_init_matches'] = all(
+    results[tag + 'explicit_init_matches'] = all(
         a.sharding.spec == b.spec or (tuple(a.sharding.spec) + (None,) * a.ndim)[:a.ndim]
         == (tuple(b.spec) + (None,) * a.ndim)[:a.ndim]
         for a, b in zip(jax.tree.leaves(e_state), jax.tree.leaves(want)))
     explicit = run(e_params, e_state, e_params, 0, STEPS, jax.jit(step))
-    results['explicit_vs_single_params_max_diff'] = max_diff(explicit[0], single[0])
-    results['explicit_state_specs_kept'] = all(
+    results[tag + 'explicit_vs_single_params_max_diff'] = max_diff(explicit[0], single[0])
+    results[tag + 'explicit_vs_single_codes_differ'] = _codes_differ(explicit, single)
+    results[tag + 'explicit_state_specs_kept'] = all(
         a.sharding.spec == b.sharding.spec
         for a, b in zip(jax.tree.leaves(explicit[1]), jax.tree.leaves(e_state)))
-
-  # Blocks of 64 along the experts' last axis, split over 'data' into 32 per shard.
-  try:
-    sj.state_shardings(make_tx(expert_block=64), host, p_sh)
-    results['straddle_error'] = None
-  except ValueError as e:
-    results['straddle_error'] = str(e)
-  (out / 'codec.json').write_text(json.dumps(results, indent=1))
 
 
 if __name__ == '__main__':

@@ -578,6 +578,17 @@ def test_sharded_training_with_coded_momentum_matches_one_device(multi_device):
 
 
 @pytest.mark.slow
+def test_stochastic_rounding_draws_the_same_codes_on_any_sharding(multi_device):
+  # The random bits are a function of the key and the element's position, not of where
+  # the element lives: Auto and Explicit meshes keep the one-device codes exactly.
+  for mesh in ('sharded', 'explicit'):
+    assert multi_device[f'stochastic_{mesh}_vs_single_codes_differ'] == 0
+    assert multi_device[f'stochastic_{mesh}_vs_single_params_max_diff'] < 1e-7
+  assert multi_device['stochastic_explicit_init_matches']
+  assert multi_device['stochastic_explicit_state_specs_kept']
+
+
+@pytest.mark.slow
 def test_orbax_checkpoint_of_coded_momentum_resumes_bitwise(multi_device):
   assert multi_device['restored_bitwise'] and multi_device['resume_bitwise']
   assert "the momentum's codec differs" in multi_device['other_codec_error']
@@ -590,7 +601,7 @@ def test_muon_coded_tiers_keep_per_expert_nesterov_momentum_in_low_bit_codes():
   tiers = sj.MUON_CODED_TIERS
   assert set(tiers) == {'backbone', 'hidden', 'experts', 'router'}
   codecs = {'hidden': sj.Blockwise(8, 256, 'linear', fit='nearest'),
-            'experts': sj.Blockwise(4, 64, 'linear', fit='nearest')}
+            'experts': sj.Blockwise(4, 64, 'linear', fit='nearest', rounding='stochastic')}
   for name, codec in codecs.items():
     tier = tiers[name]
     assert tier.momentum and tier.nesterov and tier.b1 == 0.95

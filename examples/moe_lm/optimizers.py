@@ -32,15 +32,14 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-expert-momentum`: a diagnostic of the gap to Muon: `sj.MUON_TIERS` with
   the experts as Muon treats them (fp32 Nesterov momentum, b1 0.95, orthogonalised per
   expert), for an fp32 momentum of every expert matrix (above 1/10 of AdamW's state).
-* `skewadam-muon-coded-4bit-experts`: `sj.MUON_CODED_TIERS`: the same expert momentum,
-  stored as 4-bit linear blockwise codes (blocks of 64), and the hidden tier's momentum
-  as 8-bit codes (blocks of 256).
+* `skewadam-muon-coded-4bit-experts-stochastic`: `sj.MUON_CODED_TIERS`: the same expert
+  momentum, stored as 4-bit linear blockwise codes (blocks of 64, stochastic rounding),
+  and the hidden tier's momentum as 8-bit codes (blocks of 256).
+* `skewadam-muon-coded-4bit-experts`: the same with round-to-nearest 4-bit codes.
 * `skewadam-muon-coded-8bit`: the same with 8-bit codes (blocks of 256) on both.
 * `skewadam-muon-coded-4bit`: the same with 4-bit codes (blocks of 64) on both.
-* `skewadam-muon-coded-4bit-experts-dynamic`: `sj.MUON_CODED_TIERS` with the dynamic-
-  exponent map for the experts' 4-bit codes instead of the linear one.
-* `skewadam-muon-coded-4bit-experts-stochastic`: the same with stochastic rounding of
-  the experts' 4-bit linear codes instead of round-to-nearest.
+* `skewadam-muon-coded-4bit-experts-dynamic`: the same with the dynamic-exponent map
+  for the experts' 4-bit codes (round-to-nearest).
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
   (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
@@ -63,6 +62,7 @@ conventional 0.02 for the orthogonalised matrices and 3e-4 (Adam) for the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
@@ -154,19 +154,23 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   if name == 'skewadam-muon-expert-momentum':  # the experts as Muon treats them
     return dict(sj.MUON_TIERS, experts=sj.MUON_TIERS['hidden'].replace(
         second_moment=sj.Orthogonal(fallback=sj.Factored())))
-  if name == 'skewadam-muon-coded-4bit-experts':  # the shipped `sj.MUON_CODED_TIERS`
-    return dict(sj.MUON_CODED_TIERS)
-  if name in ('skewadam-muon-coded-4bit-experts-dynamic',
-              'skewadam-muon-coded-4bit-experts-stochastic'):
+  if name.startswith('skewadam-muon-coded'):
+    # The shipped `sj.MUON_CODED_TIERS` is `-4bit-experts-stochastic`; the others change
+    # the codes of the hidden tier's and the experts' momentum.
+    nearest8 = sj.Blockwise(8, 256, 'linear', fit='nearest')
+    nearest4 = sj.Blockwise(4, 64, 'linear', fit='nearest')
+    codecs = {
+        'skewadam-muon-coded-4bit-experts-stochastic': (nearest8, dataclasses.replace(
+            nearest4, rounding='stochastic')),
+        'skewadam-muon-coded-4bit-experts': (nearest8, nearest4),
+        'skewadam-muon-coded-4bit-experts-dynamic': (nearest8, dataclasses.replace(
+            nearest4, mapping='dynamic')),
+        'skewadam-muon-coded-8bit': (nearest8, nearest8),
+        'skewadam-muon-coded-4bit': (nearest4, nearest4),
+    }[name]
     coded = sj.MUON_CODED_TIERS
-    codec = (sj.Blockwise(4, 64, 'dynamic', fit='nearest') if name.endswith('dynamic') else
-             sj.Blockwise(4, 64, 'linear', fit='nearest', rounding='stochastic'))
-    return dict(coded, experts=coded['experts'].replace(mu_codec=codec))
-  if name in ('skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit'):
-    coded = sj.MUON_CODED_TIERS
-    codec = (sj.Blockwise(8, 256, 'linear', fit='nearest') if name.endswith('8bit')
-             else sj.Blockwise(4, 64, 'linear', fit='nearest'))
-    return dict(coded, **{k: coded[k].replace(mu_codec=codec) for k in ('hidden', 'experts')})
+    return dict(coded, **{k: coded[k].replace(mu_codec=c)
+                          for k, c in zip(('hidden', 'experts'), codecs)})
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':

@@ -17,7 +17,9 @@ row-major order: along the column axis `C` if `block_size` divides it, or whole 
   dynamic (Dettmers' dynamic-exponent map T, 2^b sorted values in [-1, 1]):
                      code = argmin_k |x / s - T_k|  (ties to the larger),   x' = T[code] s
 
-Round to nearest, deterministic (`jnp.round`: halves to even). The linear map's error is
+Round to nearest, deterministic (`jnp.round`: halves to even), by default; with
+`rounding='stochastic'` (linear map) `code = floor(Q x / s + u) + Q`, `u ~ U[0, 1)`, an
+unbiased rounding whose key the tier derives from the step count and the leaf's path. The linear map's error is
 at most `s / (2 Q)` per element of a block (`s / 254` at 8 bits, `s / 14` at 4 bits,
 plus float32 rounding); the dynamic map spends its codes on exponents (`b - 1`
 exponent bits: 10^-6 .. 1 at 8 bits, 10^-2 .. 1 at 4 bits), so small elements of a

@@ -77,14 +77,17 @@ MUON_TIERS: Mapping[str, Tier] = {
 # does, instead of their gradient; the 5-seed sweep put that (with fp32 momentum) ahead
 # of Muon, at half of AdamW's state, because the expert bank is most of an MoE's
 # parameters. So that momentum is stored as blockwise 4-bit linear absmax codes in
-# blocks of 64 (0.5625 B per parameter instead of 4), the hidden tier's (a small share
-# of the parameters, and more sensitive: 4 bits there cost more in a 300-step
-# measurement) as 8-bit codes in blocks of 256 (1.016 B). `fit='nearest'`: a width that
-# 256 or 64 does not divide (DeepSeek-MoE's 10944, 1408) gets the nearest block size
-# that fits instead of an error. On the published 6.78B configuration this is 8.5% of
-# AdamW's state (benchmarks/memory.py). Every tier runs at the one lr (`lr_scale=1`):
-# in the sweep (2000 steps, 3e-2) scaling the Adam-like tiers (embeddings, norms,
-# router) by 0.3 or 0.1 ended worse (benchmarks/results/quality_sweep).
+# blocks of 64 (0.5625 B per parameter instead of 4), rounded stochastically: with
+# b1 = 0.95 a step adds 0.05 g, often less than half of a 4-bit level (s / 14), which
+# round-to-nearest drops step after step; unbiased rounding keeps it on average (in the
+# sweep, seed 0: 1.2288 against 1.2604 with round-to-nearest, 1.2410 with the dynamic
+# map, 1.2136 with fp32 momentum). The hidden tier's momentum (a small share of the
+# parameters) is 8-bit codes in blocks of 256 (1.016 B), round-to-nearest.
+# `fit='nearest'`: a width that 256 or 64 does not divide (DeepSeek-MoE's 10944, 1408)
+# gets the nearest block size that fits instead of an error. On the published 6.78B
+# configuration: 8.5% of AdamW's state (benchmarks/memory.py). Every tier runs at the
+# one lr (`lr_scale=1`): in the sweep (2000 steps, 3e-2) scaling the Adam-like tiers
+# (embeddings, norms, router) by 0.3 or 0.1 ended worse (1.2815, 1.3654 against 1.2604).
 MUON_CODED_TIERS: Mapping[str, Tier] = {
     'backbone': PUBLISHED_TIERS['backbone'],
     'hidden': MUON_TIERS['hidden'].replace(
@@ -92,7 +95,8 @@ MUON_CODED_TIERS: Mapping[str, Tier] = {
     'experts': Tier(momentum=True, nesterov=True, b1=0.95,
                     second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
                     clip_threshold=None,
-                    mu_codec=_codec.Blockwise(4, 64, 'linear', fit='nearest')),
+                    mu_codec=_codec.Blockwise(4, 64, 'linear', fit='nearest',
+                                              rounding='stochastic')),
     'router': ADAM_ROUTER_TIERS['router'],
 }
 

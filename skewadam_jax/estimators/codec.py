@@ -23,7 +23,8 @@ unbiased rounding whose key the tier derives from the step count and the leaf's 
 The linear map's error is at most `s / (2 Q)` per element of a block (`s / 254` at 8
 bits, `s / 14` at 4 bits, plus float32 rounding; `s / Q` when stochastic); the dynamic
 map spends its codes on exponents (`b - 1` exponent bits: 10^-6 .. 1 at 8 bits,
-10^-2 .. 1 at 4 bits), so small elements of a block keep their relative precision (Li et al. 2023 use it for a 4-bit first moment).
+10^-2 .. 1 at 4 bits), so small elements of a block keep their relative precision
+(Li et al. 2023 use it for a 4-bit first moment).
 
 Layout of the stored `Coded(codes, scales)`: both have the parameter's rank, so a
 parameter's PartitionSpec (and its Flax axis names) carries over unchanged.

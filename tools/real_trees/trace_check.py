@@ -316,6 +316,8 @@ def write_markdown() -> str:
   """Rebuilds the markdown from every JSON result; keeps the notes after NOTES_MARK."""
   results = {}
   for path in sorted(glob.glob(os.path.join(JSON_DIR, '*.json'))):
+    if os.path.basename(path).startswith('cost_'):  # trace_cost.py's, beside these
+      continue
     with open(path) as f:
       results[os.path.basename(path)[:-5]] = portable(json.load(f))
   default = [k for k in results if k in CASES]

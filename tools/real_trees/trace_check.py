@@ -239,6 +239,14 @@ def score(library: str, name: str, overrides: tuple[str, ...] = ()) -> dict:
                     [want['batch_axes'], list(got.batch_axes)], 'wrong_tier': bad_tier,
                     'wrong_axes': bad_axes, 'evidence': got.evidence,
                     'undecided': structure.undecided.get(path)})
+  # The hidden set a Muon policy takes from the trace, and the role of every backbone
+  # leaf left out of it (embeddings, output layers, biases and gains, ...).
+  hidden_labels = jax.tree_util.tree_leaves(structure.labels_for(sj.MUON_TIERS))
+  hidden = [leaf.path for leaf, lab in zip(structure.leaves, hidden_labels) if lab == 'hidden']
+  row['hidden'] = hidden
+  row['backbone_not_hidden'] = {leaf.path: leaf.role for leaf, lab in
+                                zip(structure.leaves, hidden_labels)
+                                if lab == 'backbone'}
   row.update(
       right=len(expected) - len(wrong), wrong_tier=sum(w['wrong_tier'] for w in wrong),
       wrong_axes=sum(w['wrong_axes'] for w in wrong), undecided=len(structure.undecided),
@@ -312,6 +320,26 @@ def details(rows: list[dict]) -> list[str]:
 NOTES_MARK = '<!-- notes: kept when this file is rebuilt -->'
 
 
+def hidden_sets(rows: list[dict[str, Any]]) -> list[str]:
+  """Per model, the hidden matrices a Muon policy takes from the trace and the roles
+  of the backbone leaves it leaves out."""
+  if not any('hidden' in r for r in rows):
+    return []
+  out = ['### Hidden matrices from the trace (`trace.labels_for(sj.MUON_TIERS)`)', '',
+         'The backbone leaves whose role is a hidden matrix (orthogonalised by a Muon '
+         'policy), and the roles of the other backbone leaves (Adam-like tier).', '',
+         '| model | hidden | other backbone leaves by role |', '| --- | ---: | --- |']
+  for r in rows:
+    if 'hidden' not in r:
+      continue
+    roles: dict[str, int] = {}
+    for role in r['backbone_not_hidden'].values():
+      roles[role] = roles.get(role, 0) + 1
+    out.append(f"| {r['model']} | {len(r['hidden'])} | "
+               + ', '.join(f'{k} {v}' for k, v in sorted(roles.items())) + ' |')
+  return out + ['']
+
+
 def write_markdown() -> str:
   """Rebuilds the markdown from every JSON result; keeps the notes after NOTES_MARK."""
   results = {}
@@ -349,6 +377,7 @@ def write_markdown() -> str:
     res = results[key]
     lines += [f'### `{res["command"].split("trace_check.py ")[1]}`', '']
     lines += table(res['rows'], total=True) + ['']
+  lines += hidden_sets([r for k in default for r in results[k]['rows']])
   lines += ['### Wrong and undecided leaves', '']
   for key in default + variants:
     lines += details(results[key]['rows'])

@@ -72,6 +72,35 @@ def lookup(table: jax.Array, index: jax.Array) -> jax.Array:
       placed.mesh, PartitionSpec(*placed.entries)))
 
 
+def fmix32(x: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser (uint32 -> uint32, a bijection that mixes every
+  input bit into every output bit)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def dither(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
+  """Uniform float32 numbers in [0, 1) for the elements of `shape`, a hash of each
+  element's row-major position and `seed` (uint32).
+
+  A counter-based hash, not `jax.random`: a few integer operations that fuse into the
+  encoding (threefry doubled the compile time of a coded tier's step), and like
+  threefry a function of the position only, so any sharding draws the same numbers.
+  Positions are taken modulo 2^32 (a leaf of more elements repeats its pattern there).
+  """
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(
+        stride % 2**32)
+    stride *= shape[axis]
+  bits = fmix32(index * jnp.uint32(0x9E3779B1) + seed.astype(jnp.uint32))
+  return (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+
+
 # ------------------------------------------------------------------------------ geometry
 
 

@@ -19,7 +19,7 @@ row-major order: along the column axis `C` if `block_size` divides it, or whole 
 
 Round to nearest, deterministic (`jnp.round`: halves to even), by default; with
 `rounding='stochastic'` (linear map) `code = floor(Q x / s + u) + Q`, `u ~ U[0, 1)`, an
-unbiased rounding whose key the tier derives from the step count and the leaf's path.
+unbiased rounding whose seed the tier derives from the step count and the leaf's path.
 The linear map's error is at most `s / (2 Q)` per element of a block (`s / 254` at 8
 bits, `s / 14` at 4 bits, plus float32 rounding; `s / Q` when stochastic); the dynamic
 map spends its codes on exponents (`b - 1` exponent bits: 10^-6 .. 1 at 8 bits,
@@ -99,13 +99,14 @@ class StateCodec(abc.ABC):
     not fit the codec."""
 
   @abc.abstractmethod
-  def encode(self, x: jax.Array, key: Optional[jax.Array] = None) -> Any:
+  def encode(self, x: jax.Array, seed: Optional[jax.Array] = None) -> Any:
     """`x` (float32, the bound leaf's shape) encoded: a pytree of `init`'s structure.
-    `key`: a PRNG key for a codec that rounds stochastically (`needs_key`), else None."""
+    `seed`: a uint32 scalar for a codec that rounds stochastically (`needs_seed`), else
+    None."""
 
   @property
-  def needs_key(self) -> bool:
-    """Whether `encode` draws random numbers (the tier then passes a key that is a
+  def needs_seed(self) -> bool:
+    """Whether `encode` draws random numbers (the tier then passes a seed that is a
     function of the step count and the leaf's path, so a resumed run draws the same)."""
     return False
 
@@ -144,7 +145,7 @@ class Blockwise(StateCodec):
     rounding: `'nearest'` (deterministic round to nearest) or `'stochastic'` (linear map
       only: `floor(Q x / s + u)`, `u ~ U[0, 1)`, an unbiased rounding, so that a small
       `(1 - b1) g` is not rounded away step after step; the key is a function of the
-      step count and the leaf's path).
+      step count and the leaf's path, the numbers a hash of each element's position).
     shape: the bound leaf's shape (`for_leaf` sets it), or None.
     batch_axes: the bound leaf's batch axes (`for_leaf` sets them), or None (default).
 
@@ -251,12 +252,12 @@ class Blockwise(StateCodec):
     return Coded(codes, scales)
 
   @property
-  def needs_key(self) -> bool:
+  def needs_seed(self) -> bool:
     return self.rounding == 'stochastic'
 
-  def encode(self, x: jax.Array, key: Optional[jax.Array] = None) -> Coded:
-    if self.needs_key and key is None:
-      raise ValueError("sj.Blockwise(rounding='stochastic').encode needs a PRNG `key`.")
+  def encode(self, x: jax.Array, seed: Optional[jax.Array] = None) -> Coded:
+    if self.needs_seed and seed is None:
+      raise ValueError("sj.Blockwise(rounding='stochastic').encode needs a uint32 `seed`.")
     extents = self._bound(tuple(x.shape), 'leaf')._extents()
     spec = _blocks.explicit_spec(x)
     blocks = _blocks.reshape(x.astype(jnp.float32), _blocks.split_shape(x.shape, extents),
@@ -266,8 +267,9 @@ class Blockwise(StateCodec):
     y = blocks / jnp.where(absmax > 0, absmax, 1.0)
     if self.mapping == 'linear':
       q = 2**(self.bits - 1) - 1
-      if self.needs_key:  # floor(y q + u) lies in [-q, q] since |y| <= 1 and u < 1
-        u = jax.random.uniform(key, y.shape, jnp.float32)
+      if self.needs_seed:  # floor(y q + u) lies in [-q, q] since |y| <= 1 and u < 1
+        u = _blocks.dither(tuple(x.shape), jnp.asarray(seed, jnp.uint32))
+        u = _blocks.reshape(u, blocks.shape, _blocks.outer(spec))
         codes = (jnp.floor(y * q + u) + q).astype(jnp.uint8)
       else:
         codes = (jnp.round(y * q) + q).astype(jnp.uint8)

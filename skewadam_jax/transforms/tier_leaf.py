@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from skewadam_jax.core import checks as _checks
+from skewadam_jax.estimators import blocks as _blocks
 from skewadam_jax.estimators import codec as _codec
 from skewadam_jax.estimators import exact as _exact
 from skewadam_jax.estimators import factored as _factored
@@ -166,11 +167,12 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
   return estimator, present
 
 
-def _codec_key(t: jax.Array, path: str) -> jax.Array:
-  """The key of a stochastic codec at step `t` for leaf `path`: a function of both only,
-  so that a run resumed from a checkpoint draws what the uninterrupted run drew."""
-  key = jax.random.fold_in(jax.random.key(0), zlib.crc32(path.encode()) & 0x7FFFFFFF)
-  return jax.random.fold_in(key, t.astype(jnp.uint32))
+def _codec_seed(t: jax.Array, path: str) -> jax.Array:
+  """The seed (uint32) of a stochastic codec at step `t` for leaf `path`: a function of
+  both only, so that a run resumed from a checkpoint draws what the uninterrupted run
+  drew, and leaves of one shape draw different numbers."""
+  step = _blocks.fmix32(t.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
+  return _blocks.fmix32(step ^ jnp.uint32(zlib.crc32(path.encode())))
 
 
 class Deferred(NamedTuple):
@@ -202,7 +204,7 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     # inside it, and the update is computed from `m` itself (as 8-bit Adam does), so the
     # codes' error enters through the next step's decode only.
     m = b1 * codec.decode(mu) + (1.0 - b1) * g.astype(jnp.float32)
-    stored = codec.encode(m, _codec_key(t, path)) if codec.needs_key else codec.encode(m)
+    stored = codec.encode(m, _codec_seed(t, path)) if codec.needs_seed else codec.encode(m)
     mu = m
   elif tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)

@@ -109,6 +109,12 @@ BEST_LR_SEEDS = 3
 REFINE_ABOVE = 1.9
 STEPS = 2000
 BASELINE = 'adamw'
+# Pairs (a, b) the report compares seed by seed beside the baseline, each at its best
+# lr: the shipped coded policy against Muon and against the same policy in fp32.
+PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
+         ('skewadam-muon-coded-4bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
+         ('skewadam-muon-expert-momentum', 'muon'),
+         ('skewadam-muon-orthogonal-experts', 'muon'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,6 +521,35 @@ def _paired_gap(v: dict[str, Any], base: dict[str, Any], base_mean: float
           'std_pct': std, 'se_pct': None if std is None else std / math.sqrt(len(gaps))}
 
 
+def paired_comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """`PAIRS` whose optimizers both ran: a's loss against b's, seed by seed, each at its
+  best lr, in % of b's mean (negative: a is better)."""
+  by_name = {row['optimizer']: row for row in rows}
+  out = []
+  for a, b in PAIRS:
+    if a in by_name and b in by_name:
+      ra, rb = by_name[a], by_name[b]
+      gap = _paired_gap(ra['per_lr'][f'{ra["best_lr"]:g}'], rb['per_lr'][f'{rb["best_lr"]:g}'],
+                        rb['loss_mean'])
+      out.append({'a': a, 'b': b, 'a_lr': ra['best_lr'], 'b_lr': rb['best_lr'],
+                  'paired_gap': gap})
+  return out
+
+
+def pairs_markdown(pairs: list[dict[str, Any]]) -> list[str]:
+  if not pairs:
+    return []
+  body = [[p['a'], f'{p["a_lr"]:g}', p['b'], f'{p["b_lr"]:g}', _paired_text(p['paired_gap']),
+           ', '.join(f'{x:+.2f}%' for x in (p['paired_gap'] or {}).get('pct', []))]
+          for p in pairs]
+  return ['### Paired comparisons', '',
+          'a against b, each at its best lr, seed by seed (the same init and batches): the '
+          "mean of (a's loss - b's loss) in % of b's mean loss, ± its standard error "
+          '(seeds both ran); negative: a is better.', '',
+          _common.markdown_table(['a', 'lr', 'b', 'lr', 'a vs b, paired (± s.e.)',
+                                  'per seed'], body), '']
+
+
 def _paired_text(pg: Optional[dict[str, Any]]) -> str:
   if pg is None:
     return '—'
@@ -844,7 +879,8 @@ def report(args: argparse.Namespace, out: Path) -> str:
     return (f'No complete run of `{args.preset}` at {args.steps} steps under {out / "runs"} '
             f'or in {out / ARCHIVE}.')
   rows = summarize(records)
-  text = '\n'.join([report_markdown(rows, records, args), '',
+  pairs = paired_comparisons(rows)
+  text = '\n'.join([report_markdown(rows, records, args), '', *pairs_markdown(pairs),
                     *dead_experts_markdown(rows, records, args.steps)]).rstrip()
   stem = f'steps{args.steps}'
   what = f'{args.preset} MoE LM, {args.steps} steps'
@@ -854,7 +890,7 @@ def report(args: argparse.Namespace, out: Path) -> str:
   paths['md'].write_text(text + '\n')
   _common.write_json_atomic(paths['json'], {
       'command': _common.command(), 'preset': args.preset, 'steps': args.steps,
-      'machine': records[0]['machine'], 'rows': rows,
+      'machine': records[0]['machine'], 'rows': rows, 'pairs': pairs,
       'runs': sorted(Run(**r['sweep']).name for r in records)})
   plot_curves(rows, records, args.steps, paths['curves'], f'validation loss, {what}')
   plot_memory(rows, paths['memory'], f'quality per byte of optimizer state, {what}')

@@ -51,6 +51,8 @@ this `--preset` and `--steps` under `--out` is read back into:
   state bytes (log scale), every optimizer and policy, with the Pareto front (the
   optimizers no other beats with as little state or less); the report's "Quality per
   byte" table lists the same.
+* `lr_steps<N>.png`: final validation loss against peak lr of AdamW, Muon and the Muon
+  tiers (mean over the seeds of each lr), AdamW's best as a line.
 * `router_steps<N>.png`: each expert's load over training at the best lr (first seed),
   one panel per optimizer.
 * `dead_steps<N>.png`: dead experts against router weight norm, per layer, for every
@@ -852,6 +854,34 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                 legend_outside=True)
 
 
+# The optimizers whose loss against lr `lr_{stem}.png` draws (those that ran).
+LR_PLOT = ('adamw', 'muon', 'skewadam-muon-orthogonal-experts', 'skewadam-muon-expert-momentum',
+           'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-stochastic')
+
+
+def plot_lr(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+  """Final validation loss against peak lr (mean over the seeds of each lr; the error
+  bar their std), one line per optimizer of `LR_PLOT`, AdamW's best as a dashed line:
+  where each is best and how far above it the loss runs away."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(10, 5.5))
+  by_name = {row['optimizer']: row for row in rows}
+  for i, name in enumerate(n for n in LR_PLOT if n in by_name):
+    row = by_name[name]
+    lrs = sorted(row['per_lr'], key=float)
+    ax.errorbar([float(lr) for lr in lrs], [row['per_lr'][lr]['mean'] for lr in lrs],
+                yerr=[row['per_lr'][lr]['std'] or 0.0 for lr in lrs], marker='o', ms=4,
+                capsize=3, color=f'C{i}', label=f'{name} (best {row["best_lr"]:g})')
+  if BASELINE in by_name:
+    ax.axhline(by_name[BASELINE]['loss_mean'], color='k', ls='--', lw=1,
+               label=f'{BASELINE} at its best lr')
+  _finish_log_x(fig, ax, 'peak learning rate', 'final validation loss (nats / byte)', title,
+                path, legend_outside=True)
+
+
 def _finish_log_x(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str,
                   path: Path, legend_outside: bool = False) -> None:
   """Log x axis, labels, grid, legend and title; saves and closes the figure."""
@@ -886,7 +916,8 @@ def report(args: argparse.Namespace, out: Path) -> str:
   what = f'{args.preset} MoE LM, {args.steps} steps'
   paths = {'md': out / f'report_{stem}.md', 'json': out / f'report_{stem}.json',
            'curves': out / f'curves_{stem}.png', 'memory': out / f'memory_{stem}.png',
-           'router': out / f'router_{stem}.png', 'dead': out / f'dead_{stem}.png'}
+           'router': out / f'router_{stem}.png', 'dead': out / f'dead_{stem}.png',
+           'lr': out / f'lr_{stem}.png'}
   paths['md'].write_text(text + '\n')
   _common.write_json_atomic(paths['json'], {
       'command': _common.command(), 'preset': args.preset, 'steps': args.steps,
@@ -894,6 +925,7 @@ def report(args: argparse.Namespace, out: Path) -> str:
       'runs': sorted(Run(**r['sweep']).name for r in records)})
   plot_curves(rows, records, args.steps, paths['curves'], f'validation loss, {what}')
   plot_memory(rows, paths['memory'], f'quality per byte of optimizer state, {what}')
+  plot_lr(rows, paths['lr'], f'final validation loss against peak lr, {what}')
   train_lib.plot_router(
       [(f'{row["optimizer"]} lr {row["best_lr"]:g} seed {rs[0]["sweep"]["seed"]}', rs[0])
        for row, rs in _best_records(rows, records)],

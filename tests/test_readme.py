@@ -40,7 +40,7 @@ def test_commands_and_quickstart_come_first():
 
 def test_readme_recommends_one_policy():
   recommended = re.findall(r'\*\*Use `sj\.(\w+)`\*\*', README)
-  assert recommended == ['MUON_TIERS']
+  assert recommended == ['MUON_CODED_TIERS']
   assert f'tiers=sj.{recommended[0]}' in BLOCKS[0]
 
 
@@ -62,7 +62,7 @@ def test_quickstart_runs_as_printed_and_lowers_the_loss():
 def test_trace_advice_gives_the_hidden_tier_and_the_traced_tiers():
   params, loss_fn, batch = _params_and_loss()
   advice = re.search(r'`(trace = sj\.trace_structure\([^`]*)`, then\s+`([^`]*)`', README, re.S)
-  assert advice, 'the README no longer shows how to use traced labels with MUON_TIERS'
+  assert advice, 'the README no longer shows how to use traced labels with its policy'
   namespace = {'sj': sj, 'params': params, 'loss_fn': loss_fn, 'batch': batch, 'lr': 1e-2}
   exec(advice.group(1) + '\ntx = ' + advice.group(2), namespace)  # noqa: S102
   rows = {r.path: r.tier for r in sj.label_table(namespace['tx'], params)}

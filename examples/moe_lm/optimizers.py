@@ -76,7 +76,7 @@ import skewadam_jax as sj
 ADAM_LR = 3e-4
 # The policy `train.py` trains by default, beside `BASELINE`, each at its `SWEPT_LR`.
 # This is the one place that names it: the README's first command and its table follow.
-RECOMMENDED = 'skewadam-muon-orthogonal-experts'
+RECOMMENDED = 'skewadam-muon-coded-4bit-experts-stochastic'  # sj.MUON_CODED_TIERS
 BASELINE = 'adamw'
 OPTIMIZERS = (
     'skewadam', 'adampm', 'adampm-input-axis', 'adamw', 'adafactor', 'adafactor-momentum',

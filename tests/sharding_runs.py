@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from examples import checkpointing  # noqa: E402
 from examples import pmap_data_parallel as pdp  # noqa: E402
 import skewadam_jax as sj  # noqa: E402
+import trees  # noqa: E402  (beside this file)
 
 N_STEPS = 5
 K = 2  # checkpoint after this step
@@ -69,14 +70,7 @@ LEAVES: dict[str, tuple[int, ...]] = {
 
 def abstract_params() -> Any:
   """Nested dicts of `jax.ShapeDtypeStruct`s with the MoE LM's paths (float32)."""
-  out: dict[str, Any] = {}
-  for path, shape in LEAVES.items():
-    node = out
-    *parents, leaf = path.split('/')
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[leaf] = jax.ShapeDtypeStruct(shape, jnp.float32)
-  return out
+  return trees.abstract_tree(LEAVES)
 
 
 def init_params(abstract: Any) -> Any:

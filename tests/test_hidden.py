@@ -18,6 +18,7 @@ from hypothesis import given, HealthCheck, settings
 from hypothesis import strategies as st
 
 import skewadam_jax as sj
+import trees
 from skewadam_jax.structure import paths as _paths
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None,
@@ -35,16 +36,7 @@ BLOCK_MATRICES = ('attn/q_proj/kernel', 'self_attn/o_proj/kernel', 'attention/wq
                   'mlp/down_proj/weight', 'attn/c_proj/kernel', 'shared_expert/up_proj')
 
 
-def _tree(paths: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-  """Nested dicts of `jax.ShapeDtypeStruct`s from '/'-joined paths."""
-  tree: dict[str, Any] = {}
-  for path, shape in paths.items():
-    *parents, name = path.split('/')
-    node = tree
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[name] = jax.ShapeDtypeStruct(shape, jnp.float32)
-  return tree
+_tree = trees.abstract_tree
 
 
 def _labels(params: Any) -> tuple[dict[str, str], list[str]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 # name -> (shape, gradient scale): stacked experts, odd lengths, 1-D norms, a scalar,
@@ -104,3 +106,18 @@ def run_optax(tx, params: dict, grads_fn, steps: int, *, jit: bool = True,
     g = nest({k: jnp.asarray(v, dtype) for k, v in grads_fn(i, flat).items()})
     p, state = step(p, state, g)
   return {k: np.asarray(v, np.float64) for k, v in flatten(p).items()}, state
+
+
+def abstract_tree(paths: dict[str, tuple[int, ...]], dtype: Any = None) -> dict[str, Any]:
+  """Nested dicts of `jax.ShapeDtypeStruct`s (float32 by default) from '/'-joined paths."""
+  import jax
+  import jax.numpy as jnp
+
+  tree: dict[str, Any] = {}
+  for path, shape in paths.items():
+    *parents, name = path.split('/')
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[name] = jax.ShapeDtypeStruct(shape, jnp.float32 if dtype is None else dtype)
+  return tree

@@ -204,3 +204,19 @@ def compile_only_device(target: str = 'h200') -> Any:
         f'python -m pip install "jax[cuda12]=={jax.__version__}" (no GPU needed). '
         f'Original error: {e}') from e
   return topo.devices[0]
+
+
+def muon_dims(params: Any) -> Any:
+  """`optax.contrib.muon`'s dimension numbers for an MoE tree: every 2-D matrix, and a
+  3-D stacked expert bank `[E, in, out]` as a batch of matrices; None (Muon's Adam
+  branch) for the rest."""
+  import jax
+  from optax import contrib
+
+  def dims(x):
+    if x.ndim == 2:
+      return contrib.MuonDimensionNumbers(0, 1)
+    if x.ndim == 3:
+      return contrib.MuonDimensionNumbers(1, 2)
+    return None
+  return jax.tree.map(dims, params)

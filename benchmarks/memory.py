@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.contrib import MuonDimensionNumbers, muon
+from optax.contrib import muon
 
 import skewadam_jax as sj
 from examples import _cli
@@ -149,17 +149,6 @@ MODELS: dict[str, Callable[[], Any]] = {
 # ----------------------------------------------------------------------------- optimizers
 
 
-def _muon_dims(params: Any) -> Any:
-  """Muon on every matrix (stacked experts as batches of matrices); Adam on the rest."""
-  def dims(x):
-    if x.ndim == 2:
-      return MuonDimensionNumbers(0, 1)
-    if x.ndim == 3:
-      return MuonDimensionNumbers(1, 2)
-    return None
-  return jax.tree.map(dims, params)
-
-
 def _skewadam_variant(**expert_or_backbone: sj.Tier) -> optax.GradientTransformation:
   tiers = dict(sj.PUBLISHED_TIERS)
   tiers.update(expert_or_backbone)
@@ -187,7 +176,7 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
                   lambda: optax.adafactor(LR), True),
     'lion': ('Lion (fp32 momentum)', lambda: optax.lion(LR), True),
     'muon': ('Muon (optax.contrib.muon; fp32 momentum; Adam for 1-D)',
-             lambda: muon(LR, muon_weight_dimension_numbers=_muon_dims), True),
+             lambda: muon(LR, muon_weight_dimension_numbers=_common.muon_dims), True),
     'adampm4': ('AdamPM s = 4', lambda: sj.adampm(LR, group_size=4), True),
     'adampm8': ('AdamPM s = 8', lambda: sj.adampm(LR, group_size=8), True),
     'adampm16': ('AdamPM s = 16', lambda: sj.adampm(LR, group_size=16), True),

@@ -61,7 +61,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     'skewadam-muon-expert-momentum': lambda: sj.skewadam(LR, weight_decay=WD, tiers={
         name: tier.replace(mu_codec=None) for name, tier in sj.MUON_CODED_TIERS.items()}),
     'muon': lambda: contrib.muon(LR, weight_decay=WD,
-                                 muon_weight_dimension_numbers=_muon_dims),
+                                 muon_weight_dimension_numbers=_common.muon_dims),
 }
 # With --state-dtype float32, the optimizers whose state is initialised on a float32
 # view of the parameters; their state then stays float32 through updates with bf16
@@ -87,17 +87,6 @@ def moe_config(dtype: str, width: int = 512):
   parameters; 32 query and 8 KV heads of `width / 32`)."""
   return get_config('paper-6.78b', d_model=width, n_heads=32, n_kv_heads=8,
                     head_dim=width // 32, d_ff=width, d_expert=width, param_dtype=dtype)
-
-
-def _muon_dims(params: Any) -> Any:
-  """optax.contrib.muon on every matrix (stacked experts as batches); Adam on the rest."""
-  def dims(x):
-    if x.ndim == 2:
-      return contrib.MuonDimensionNumbers(0, 1)
-    if x.ndim == 3:
-      return contrib.MuonDimensionNumbers(1, 2)
-    return None
-  return jax.tree.map(dims, params)
 
 
 def make_tree(dtype: str, seed: int, width: int = 512) -> tuple[Any, Any]:

@@ -263,10 +263,13 @@ def resolve(out: list[Any]) -> list[tuple[jax.Array, dict[str, Any]]]:
   for idx in groups.values():
     budget = max(MIN_SHARED_ELEMENTS, max(out[i].mats.size for i in idx))
     calls: list[list[int]] = [[]]
+    filled = 0
     for i in idx:
-      if calls[-1] and sum(out[j].mats.size for j in calls[-1]) + out[i].mats.size > budget:
+      if calls[-1] and filled + out[i].mats.size > budget:
         calls.append([])
+        filled = 0
       calls[-1].append(i)
+      filled += out[i].mats.size
     est = out[idx[0]].estimator
     for call in calls:
       orthogonal = _orthogonal.newton_schulz_shared(

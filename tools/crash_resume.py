@@ -92,6 +92,9 @@ class Launch:
   skipped: list[int] = dataclasses.field(default_factory=list)
   fingerprints: dict[int, str] = dataclasses.field(default_factory=dict)
   corrupted: Optional[str] = None
+  # After a kill: the newest step with a manifest that was not corrupted afterwards, the
+  # one the restart must resume from (None: nothing complete on disk, start afresh).
+  newest_complete: Optional[int] = None
   seconds: float = 0.0
   tail: list[str] = dataclasses.field(default_factory=list)
 
@@ -184,7 +187,20 @@ def run_once(cmd: list[str], env: dict[str, str], ckpt: Path, mode: Optional[str
   launch.seconds = time.monotonic() - t0
   if launch.killed and mode == 'corrupt':
     launch.corrupted = corrupt_newest(ckpt, rng)
+  if launch.killed:
+    steps = _complete_steps(ckpt)
+    if launch.corrupted:
+      steps = steps[1:]
+    launch.newest_complete = steps[0] if steps else None
   return launch
+
+
+def _complete_steps(ckpt: Path) -> list[int]:
+  """The steps in `ckpt` whose manifest was written (committed saves), newest first."""
+  if not ckpt.exists():
+    return []
+  return sorted((int(p.name) for p in ckpt.iterdir()
+                 if p.name.isdigit() and (p / checkpointing.MANIFEST).exists()), reverse=True)
 
 
 def corrupt_newest(ckpt: Path, rng: random.Random) -> Optional[str]:
@@ -193,8 +209,7 @@ def corrupt_newest(ckpt: Path, rng: random.Random) -> Optional[str]:
   Only when an older complete step is there to fall back to (with none, the restart
   rightly stops with an error, which is tested elsewhere).
   """
-  steps = sorted((int(p.name) for p in ckpt.iterdir()
-                  if p.name.isdigit() and (p / checkpointing.MANIFEST).exists()), reverse=True)
+  steps = _complete_steps(ckpt)
   if len(steps) < 2:
     return None
   files = [p for p in (ckpt / str(steps[0]) / 'state').rglob('*')
@@ -241,11 +256,13 @@ def run_target(target: str, args: argparse.Namespace, work: Path, env: dict[str,
         prev = launches[-1]
         resumed = launch.restored[0] if launch.restored else 0
         kills[-1].update(resumed_from=resumed, steps_lost=max(0, prev.reached - resumed),
-                         skipped_on_restart=launch.skipped)
+                         skipped_on_restart=launch.skipped,
+                         resume=_resume_verdict(prev.newest_complete, launch))
       launches.append(launch)
       if launch.killed:
         kills.append({'episode': len(episodes), 'mode': mode, 'during_save': launch.during_save,
                       'reached': launch.reached, 'corrupted': launch.corrupted,
+                      'newest_complete': launch.newest_complete,
                       'after_s': round(launch.seconds, 2)})
         bar.update(1)
         continue
@@ -375,6 +392,20 @@ def run_multihost(args: argparse.Namespace, work: Path, env: dict[str, str],
           'launches': launches, 'bitwise_equal': bool(equal), 'arrays_compared': len(a.files)}
 
 
+def _resume_verdict(newest: Optional[int], restart: Launch) -> str:
+  """Whether the restart after a kill resumed where it must: from `newest` (the newest
+  intact complete step), or afresh when there was none.
+
+  'unknown' when the restart was itself killed before it said either (no restore line
+  and no step trained).
+  """
+  if restart.restored is not None:
+    return 'right' if restart.restored[0] == newest else 'wrong'
+  if restart.reached == 0 and restart.killed:
+    return 'unknown'
+  return 'right' if newest is None else 'wrong'
+
+
 def summarize(kills: list[dict[str, Any]], episodes: list[dict[str, Any]]) -> dict[str, Any]:
   lost = [k['steps_lost'] for k in kills if 'steps_lost' in k]
   corrupted = [k for k in kills if k['corrupted']]
@@ -386,6 +417,11 @@ def summarize(kills: list[dict[str, Any]], episodes: list[dict[str, Any]]) -> di
       'corruptions_detected': sum(int(k['corrupted'].split()[1].rstrip(':'))
                                   in k.get('skipped_on_restart', []) for k in corrupted),
       'resumes': sum(e['resumes'] for e in episodes),
+      # Kills that left an intact complete step, and restarts that resumed elsewhere.
+      'kills_after_a_complete_save': sum(k['newest_complete'] is not None for k in kills),
+      'resumes_due': sum(k['newest_complete'] is not None and k.get('resume') != 'unknown'
+                         for k in kills),
+      'resumes_wrong': sum(k.get('resume') == 'wrong' for k in kills),
       'episodes': len(episodes),
       'steps_lost_mean': sum(lost) / len(lost) if lost else 0.0,
       'steps_lost_max': max(lost, default=0),
@@ -400,14 +436,16 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
       f'SIGKILL at random moments, restart with the same command until done; {args.steps} '
       f'steps, a checkpoint every {args.every} (async Orbax), seed {args.seed}.', '',
       '| example | kills | during a save | corrupted after kill (detected) | resumes '
-      '| episodes | steps lost per kill (mean / max) | bitwise equal to uninterrupted '
+      '| restarts not from the newest intact step | episodes '
+      '| steps lost per kill (mean / max) | bitwise equal to uninterrupted '
       '| resumes from a partial checkpoint | steps trained from one |',
-      '|---|---:|---:|---:|---:|---:|---:|---|---:|---:|']
+      '|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|']
   for r in results:
     s = r['summary']
     lines.append(
         f'| {r["target"]} | {s["kills"]} | {s["kills_during_save"]} | {s["corruptions"]} '
-        f'({s["corruptions_detected"]}) | {s["resumes"]} | {s["episodes"]} | '
+        f'({s["corruptions_detected"]}) | {s["resumes"]} | {s["resumes_wrong"]} | '
+        f'{s["episodes"]} | '
         f'{s["steps_lost_mean"]:.1f} / {s["steps_lost_max"]} | '
         f'{"yes" if s["bitwise_equal"] else "NO"} | {s["partial_resumes"]} | '
         f'{s["steps_from_partial"]} |')
@@ -415,7 +453,9 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
       f'{r["target"]}: ' + ', '.join(f'{m} {n}' for m, n in r['summary']['kills_by_mode'].items())
       for r in results) + '. "During a save": an Orbax temporary step directory existed '
       'when the process was killed. Steps lost: furthest step in the killed process\'s '
-      'output (a lower bound) minus the step the restart resumed from.']
+      'output (a lower bound) minus the step the restart resumed from. A restart must '
+      'resume from the newest step whose save completed and was not damaged afterwards, '
+      'or start afresh when there is none (a kill during start-up or the first save).']
   return '\n'.join(lines)
 
 

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 from optax import contrib
 
@@ -19,6 +21,7 @@ from reference import RefOrthogonalTier, RefTier, ref_newton_schulz
 from trees import MOE_LEAVES, init_params, make_grads_fn, run_optax
 
 HIDDEN = sj.MUON_TIERS['hidden']
+HIDDEN_NS_STEPS = sj.Orthogonal().ns_steps
 
 # name -> (shape, batch axes): stacked experts [E, in, out], scanned layers [L, in, out],
 # layers stacked on axis 1 as MaxText does [in, L, out], tall and wide matrices, and a
@@ -373,3 +376,50 @@ def test_leaves_of_one_matrix_shape_share_one_newton_schulz_iteration():
   dots = sum(e.primitive.name == 'dot_general' for e in jaxpr.eqns)
   # [12, 20] and [20, 12] are distinct shapes; [10, 24] a third: 3 calls x 5 x 3 dots.
   assert dots == 3 * sj.Orthogonal().ns_steps * 3, dots
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5),
+       max_batch=st.one_of(st.none(), st.integers(1, 7)), keyed=st.booleans())
+def test_shared_iteration_in_equal_chunks_is_the_separate_calls(sizes, max_batch, keyed):
+  # Leaves of n_i matrices written into chunks of one size (zero matrices fill the
+  # last), each chunk iterated by one compiled body, each leaf read back at its offset
+  # (runtime offsets when keyed): per matrix the operations of a separate call. The
+  # chunks' body is compiled (`lax.map`) where the reference runs op by op, so the two
+  # round differently (fused multiply-adds) and five iterations grow that: within 1e-5
+  # of the update's RMS, as against optax's float32 Muon.
+  from skewadam_jax.estimators import orthogonal
+  rng = np.random.default_rng(sum(sizes))
+  mats = [jnp.asarray(rng.standard_normal((n, 6, 9)), jnp.float32) for n in sizes]
+  key = jnp.float32(3.0) if keyed else None
+  got = orthogonal.newton_schulz_shared(mats, max_batch=max_batch, key=key)
+  for m, g in zip(mats, got):
+    assert g.shape == m.shape
+    _assert_close_in_rms(np.asarray(g, np.float64),
+                         np.asarray(orthogonal.newton_schulz(m), np.float64), 1e-5)
+
+
+def test_chunked_shared_iteration_holds_one_iteration_and_bounded_chunks(monkeypatch):
+  # More matrices of one shape than a chunk holds: equal chunks under `lax.map`, so the
+  # jaxpr holds the iteration once (3 dots x ns_steps) and the updates still match
+  # leaf-by-leaf transforms (within 1e-5 of the RMS: the chunks' body is compiled).
+  from skewadam_jax.transforms import tier_leaf
+  monkeypatch.setattr(tier_leaf, 'MIN_SHARED_ELEMENTS', 1)
+  shapes = {'bank': (3, 12, 20), 'a': (12, 20), 'b': (12, 20), 'c': (2, 12, 20)}
+  axes = {'bank': (0,), 'a': (), 'b': (), 'c': (0,)}
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
+  tx = sj.scale_by_tiered_adam(tier=HIDDEN, batch_axes=axes)
+  state = tx.init(params)
+  grads = {k: jnp.asarray(_grads(i, s), jnp.float32) for i, (k, s) in enumerate(shapes.items())}
+  u, _ = tx.update(grads, state)
+  for k in shapes:
+    single = sj.scale_by_tiered_adam(tier=HIDDEN, batch_axes={k: axes[k]})
+    want, _ = single.update({k: grads[k]}, single.init({k: params[k]}))
+    _assert_close_in_rms(np.asarray(u[k], np.float64), np.asarray(want[k], np.float64), 1e-5)
+  jaxpr = jax.make_jaxpr(tx.update)(grads, state)
+  # 7 matrices, chunks of at most 3 (the largest leaf): 3 chunks of 3, one `lax.map`.
+  scans = [e for e in jaxpr.eqns if e.primitive.name == 'scan']
+  assert len(scans) == 1 and scans[0].params['length'] == 3
+  inner = scans[0].params['jaxpr'].jaxpr
+  assert sum(e.primitive.name == 'dot_general' for e in inner.eqns) == 3 * HIDDEN_NS_STEPS
+  assert not any(e.primitive.name == 'dot_general' for e in jaxpr.eqns)

@@ -40,6 +40,8 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-coded-4bit`: the same with 4-bit codes (blocks of 64) on both.
 * `skewadam-muon-coded-4bit-experts-dynamic`: the same with the dynamic-exponent map
   for the experts' 4-bit codes (round-to-nearest).
+* `skewadam-muon-coded-4bit32-experts-stochastic`: `sj.MUON_CODED_TIERS` with blocks
+  of 32 instead of 64 for the experts' 4-bit codes (a scale per 32 elements).
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
   (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
@@ -90,6 +92,7 @@ OPTIMIZERS = (
     'skewadam-muon-expert-momentum', 'skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit',
     'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-dynamic',
     'skewadam-muon-coded-4bit-experts-stochastic',
+    'skewadam-muon-coded-4bit32-experts-stochastic',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -167,6 +170,8 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
             nearest4, mapping='dynamic')),
         'skewadam-muon-coded-8bit': (nearest8, nearest8),
         'skewadam-muon-coded-4bit': (nearest4, nearest4),
+        'skewadam-muon-coded-4bit32-experts-stochastic': (nearest8, dataclasses.replace(
+            nearest4, block_size=32, rounding='stochastic')),
     }[name]
     coded = sj.MUON_CODED_TIERS
     return dict(coded, **{k: coded[k].replace(mu_codec=c)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from skewadam_jax.core import checks as _checks
+from skewadam_jax.core import xla as _xla
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.estimators.base import Spec
 from skewadam_jax.estimators.base import Stats
@@ -97,20 +98,55 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
 
 
 def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, float] = NS_COEFFS,
-                         steps: int = 5, eps: float = 1e-8) -> list[jax.Array]:
+                         steps: int = 5, eps: float = 1e-8,
+                         max_batch: Optional[int] = None,
+                         key: Optional[jax.Array] = None) -> list[jax.Array]:
   """`[newton_schulz(m, ...) for m in mats]` as one batched iteration.
 
-  `mats` are `[n_i, R, C]` with the same `R, C`: they are concatenated along the first
-  axis, orthogonalised together and split again. Each matrix is normalised and iterated
-  on its own, so the result is that of separate calls (the same operations per matrix),
-  while the compiled program holds the iteration once.
+  `mats` are `[n_i, R, C]` with the same `R, C`. They are written into one buffer of
+  `k * b` matrices (`k = ceil(N / max_batch)` chunks of `b = ceil(N / k)`, zero matrices
+  filling the last; `N = sum(n_i)`), the chunks are orthogonalised one after the other
+  by one compiled iteration (`lax.map`), and each leaf's matrices are read back. Each
+  matrix is normalised and iterated on its own, so the result is that of separate
+  calls (the same operations per matrix; a zero matrix stays zero).
+
+  Why this shape of program: XLA compiles one kernel per distinct operation, and a
+  slice at a constant offset is a different operation at every offset. With `key`, the
+  offsets of the leaves in the buffer are runtime values (`core.xla.opaque_uints`), so
+  that writing and reading the leaves of one shape is one kernel however many leaves
+  there are; and the chunks all have one shape, so that the iteration is compiled once.
+
+  Args:
+    mats: the matrices of each leaf, `[n_i, R, C]`.
+    coeffs, steps, eps: as in `newton_schulz`.
+    max_batch: at most this many matrices per chunk (None: one chunk): the float32
+      temporaries of the iteration are those of one chunk.
+    key: a float32 scalar known only at run time and never NaN (the step count), which
+      hides the offsets from XLA's constant folding; None leaves them constants.
+
+  Returns:
+    The orthogonalised `mats`, each `[n_i, R, C]`.
   """
-  if len(mats) == 1:
-    return [newton_schulz(mats[0], coeffs, steps, eps)]
   sizes = [m.shape[0] for m in mats]
-  o = newton_schulz(jnp.concatenate(mats, axis=0), coeffs, steps, eps)
-  bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
-  return jnp.split(o, bounds, axis=0)
+  total = sum(sizes)
+  if len(mats) == 1 and (max_batch is None or total <= max_batch):
+    return [newton_schulz(mats[0], coeffs, steps, eps)]
+  chunks = 1 if max_batch is None else -(-total // max(1, max_batch))
+  per = -(-total // chunks)
+  starts = [sum(sizes[:i]) for i in range(len(sizes))]
+  # Unsigned, so that jax adds no wrap-around of negative indices.
+  offsets = (tuple(jnp.uint32(o) for o in starts) if key is None
+             else _xla.opaque_uints(starts, key))
+  zero = jnp.uint32(0)
+  buf = jnp.zeros((chunks * per,) + tuple(mats[0].shape[1:]), jnp.float32)
+  for m, o in zip(mats, offsets):
+    buf = jax.lax.dynamic_update_slice(buf, m.astype(jnp.float32), (o, zero, zero))
+  if chunks == 1:
+    out = newton_schulz(buf, coeffs, steps, eps)
+  else:
+    out = jax.lax.map(lambda b: newton_schulz(b, coeffs, steps, eps),
+                      buf.reshape((chunks, per) + buf.shape[1:])).reshape(buf.shape)
+  return [jax.lax.dynamic_slice(out, (o, zero, zero), m.shape) for m, o in zip(mats, offsets)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +234,9 @@ class Orthogonal(_second_moment.SecondMoment):
     Returns `(mats, finish)`: the matrices to orthogonalise, `[n, R, C]` float32 (one
     per batch slice), and the function that turns their orthogonalised form (the
     result of `newton_schulz(mats, ...)`) into the leaf's update. `scale_by_tiers` runs
-    one `newton_schulz` for all leaves whose `mats` have the same `[R, C]` and
-    `iteration` (concatenated along the first axis): the result per matrix is the
-    same, and a model's compile holds one iteration per matrix shape instead of one per
-    leaf.
+    one `newton_schulz_shared` for all leaves whose `mats` have the same `[R, C]` and
+    `iteration`: the result per matrix is the same, and a model's compile holds one
+    iteration per matrix shape instead of one per leaf.
     """
     layout = _second_moment.Layout.of(x.ndim, self.batch_axes)
     batch, rows, col = layout.batch, layout.rows, layout.col

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from skewadam_jax.core import checks as _checks
+from skewadam_jax.core import xla as _xla
 from skewadam_jax.estimators import blocks as _blocks
 from skewadam_jax.estimators import codec as _codec
 from skewadam_jax.estimators import exact as _exact
@@ -167,12 +169,31 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
   return estimator, present
 
 
-def _codec_seed(t: jax.Array, path: str) -> jax.Array:
-  """The seed (uint32) of a stochastic codec at step `t` for leaf `path`: a function of
-  both only, so that a run resumed from a checkpoint draws what the uninterrupted run
-  drew, and leaves of one shape draw different numbers."""
+def path_hash(path: str) -> int:
+  """The hash of a leaf's path that its stochastic codec's seeds start from."""
+  return zlib.crc32(path.encode())
+
+
+def codec_path_hashes(leaf_tiers: list[Tier], paths: list[str], arrays: list[Any],
+                      axes: list[Any], t: jax.Array) -> dict[int, jax.Array]:
+  """`path_hash` of each leaf (by index) whose codec draws random numbers, as runtime
+  values (`core.xla.opaque_uints`): a hash folded into the encoding kernel as a
+  constant makes it a kernel of its own for every leaf; as a runtime value, the leaves
+  of one shape share one compiled kernel."""
+  index = [i for i, (tier, path, x, a) in enumerate(zip(leaf_tiers, paths, arrays, axes))
+           if _per_leaf.trains(x) and tier.momentum and tier.mu_codec is not None
+           and (codec := leaf_codec(tuple(x.shape), tier, a, path)) is not None
+           and codec.needs_seed]
+  return dict(zip(index, _xla.opaque_uints([path_hash(paths[i]) for i in index], t)))
+
+
+def _codec_seed(t: jax.Array, path_key: Any) -> jax.Array:
+  """The seed (uint32) of a stochastic codec at step `t` for the leaf whose
+  `path_hash` is `path_key`: a function of both only, so that a run resumed from a
+  checkpoint draws what the uninterrupted run drew, and leaves of one shape draw
+  different numbers."""
   step = _blocks.fmix32(t.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
-  return _blocks.fmix32(step ^ jnp.uint32(zlib.crc32(path.encode())))
+  return _blocks.fmix32(step ^ jnp.asarray(path_key, jnp.uint32))
 
 
 class Deferred(NamedTuple):
@@ -186,11 +207,13 @@ class Deferred(NamedTuple):
 def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
                 eps: Any, path: str, g: jax.Array, mu: Any,
                 present: Mapping[str, Any], t: jax.Array, bc2: jax.Array,
-                batch_axes: Any = None, dtype: Any = None, defer: bool = False
+                batch_axes: Any = None, dtype: Any = None, defer: bool = False,
+                path_key: Any = None
                 ) -> Union[tuple[jax.Array, dict[str, Any]], Deferred]:
   """A leaf's update under `tier` (`t` the step count after it, as a float32), in
   `dtype` (default the gradient's; `per_leaf.update_dtype`), and its new state (field
-  name -> array; a coded momentum as its codec stores it).
+  name -> array; a coded momentum as its codec stores it). `path_key`: the leaf's
+  `path_hash` as `codec_path_hashes` gives it (None: computed here, a constant).
 
   With `defer`, an orthogonalised leaf returns a `Deferred` instead, which `resolve`
   completes together with the others of its matrix shape."""
@@ -204,7 +227,11 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     # inside it, and the update is computed from `m` itself (as 8-bit Adam does), so the
     # codes' error enters through the next step's decode only.
     m = b1 * codec.decode(mu) + (1.0 - b1) * g.astype(jnp.float32)
-    stored = codec.encode(m, _codec_seed(t, path)) if codec.needs_seed else codec.encode(m)
+    if codec.needs_seed:
+      seed = _codec_seed(t, path_hash(path) if path_key is None else path_key)
+      stored = codec.encode(m, seed)
+    else:
+      stored = codec.encode(m)
     mu = m
   elif tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
@@ -243,37 +270,32 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   return end(*estimator.update(g, present, x, step))
 
 
-# A shared iteration holds its float32 temporaries for every matrix of the call at
-# once, where leaf-by-leaf calls each held their own: calls are filled up to the largest
-# leaf of the shape (and at least this many elements), so the many small matrices of a
-# model share a few calls while the peak stays that of its largest leaf.
+# A shared iteration holds its float32 temporaries for every matrix of a chunk at
+# once, where leaf-by-leaf calls each held their own: chunks hold up to the largest leaf
+# of the shape (and at least this many elements), so the many small matrices of a model
+# share one chunk while the peak stays that of its largest leaf.
 MIN_SHARED_ELEMENTS = 1 << 20
 
 
-def resolve(out: list[Any]) -> list[tuple[jax.Array, dict[str, Any]]]:
+def resolve(out: list[Any], t: jax.Array) -> list[tuple[jax.Array, dict[str, Any]]]:
   """`out` with every `Deferred` completed: the leaves of one matrix shape (and
-  iteration) share batched Newton-Schulz calls, each holding at most as many elements
-  as the largest of those leaves (or `MIN_SHARED_ELEMENTS`), instead of one call per
-  leaf; the same operations per matrix."""
+  iteration) share one batched Newton-Schulz iteration, run in chunks of at most as
+  many elements as the largest of those leaves (or `MIN_SHARED_ELEMENTS`), instead of
+  one call per leaf; the same operations per matrix. `t`: the step count (float32),
+  which keeps the leaves' offsets runtime values (`newton_schulz_shared`)."""
   groups: dict[tuple[Any, ...], list[int]] = {}
   for i, o in enumerate(out):
     if isinstance(o, Deferred):
       groups.setdefault(o.key, []).append(i)
   out = list(out)
   for idx in groups.values():
+    first = out[idx[0]]
+    matrix = math.prod(first.mats.shape[1:])
     budget = max(MIN_SHARED_ELEMENTS, max(out[i].mats.size for i in idx))
-    calls: list[list[int]] = [[]]
-    filled = 0
-    for i in idx:
-      if calls[-1] and filled + out[i].mats.size > budget:
-        calls.append([])
-        filled = 0
-      calls[-1].append(i)
-      filled += out[i].mats.size
-    est = out[idx[0]].estimator
-    for call in calls:
-      orthogonal = _orthogonal.newton_schulz_shared(
-          [out[i].mats for i in call], est.ns_coeffs, est.ns_steps, est.eps)
-      for i, o in zip(call, orthogonal):
-        out[i] = out[i].resume(o)
+    est = first.estimator
+    orthogonal = _orthogonal.newton_schulz_shared(
+        [out[i].mats for i in idx], est.ns_coeffs, est.ns_steps, est.eps,
+        max_batch=max(1, budget // matrix), key=t)
+    for i, o in zip(idx, orthogonal):
+      out[i] = out[i].resume(o)
   return out

@@ -87,9 +87,11 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     rows = leaves.read(state, _tier_leaf.FIELDS)
     count, t = _per_leaf.next_count(state.count)
     bc2 = _per_leaf.bias_correction(b2, t)
+    hashes = _tier_leaf.codec_path_hashes(leaf_tiers, leaves.paths, leaves.arrays, axes, t)
     out = []
-    for tier, path, g, p, row, a in zip(leaf_tiers, leaves.paths, leaves.arrays,
-                                        _per_leaf.param_leaves(leaves, params), rows, axes):
+    for i, (tier, path, g, p, row, a) in enumerate(zip(
+        leaf_tiers, leaves.paths, leaves.arrays, _per_leaf.param_leaves(leaves, params), rows,
+        axes)):
       if not _per_leaf.trains(g, p):
         out.append((_per_leaf.zero_update(path, g, p), {}))
         continue
@@ -97,8 +99,9 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
       mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
       out.append(_tier_leaf.update_leaf(
           tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps, path, g, mu,
-          present, t, bc2, a, _per_leaf.update_dtype(g, p), defer=True))
-    out = _tier_leaf.resolve(out)
+          present, t, bc2, a, _per_leaf.update_dtype(g, p), defer=True,
+          path_key=hashes.get(i)))
+    out = _tier_leaf.resolve(out, t)
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
         [new for _, new in out], _tier_leaf.FIELDS, specs_of(leaves, leaf_tiers, axes)))
 

@@ -200,6 +200,11 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
                    lambda: sj.skewadam(LR, tiers=sj.MUON_CODED_TIERS), True),
     'muon-coded-4bit': ('MUON_CODED_TIERS, 4-bit momentum everywhere (blocks of 64)',
                         lambda: sj.skewadam(LR, tiers=_coded(4, 4)), True),
+    'muon-coded-4bit32-experts': (
+        'MUON_CODED_TIERS, experts 4-bit in blocks of 32',
+        lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
+            'experts'].replace(mu_codec=sj.Blockwise(4, 32, 'linear', fit='nearest',
+                                                     rounding='stochastic')))), True),
 }
 
 

@@ -116,7 +116,11 @@ BASELINE = 'adamw'
 PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
          ('skewadam-muon-coded-4bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
          ('skewadam-muon-expert-momentum', 'muon'),
-         ('skewadam-muon-orthogonal-experts', 'muon'))
+         ('skewadam-muon-orthogonal-experts', 'muon'),
+         ('skewadam-muon-coded-4bit32-experts-stochastic', 'muon'),
+         ('skewadam-muon-coded-4bit32-experts-stochastic', 'skewadam-muon-expert-momentum'),
+         ('skewadam-muon-coded-4bit32-experts-stochastic',
+          'skewadam-muon-coded-4bit-experts-stochastic'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -856,7 +860,8 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 # The optimizers whose loss against lr `lr_{stem}.png` draws (those that ran).
 LR_PLOT = ('adamw', 'muon', 'skewadam-muon-orthogonal-experts', 'skewadam-muon-expert-momentum',
-           'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-stochastic')
+           'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-stochastic',
+           'skewadam-muon-coded-4bit32-experts-stochastic')
 
 
 def plot_lr(rows: list[dict[str, Any]], path: Path, title: str) -> None:

@@ -42,6 +42,8 @@ warmup + cosine learning-rate schedule. Names:
   for the experts' 4-bit codes (round-to-nearest).
 * `skewadam-muon-coded-4bit32-experts-stochastic`: `sj.MUON_CODED_TIERS` with blocks
   of 32 instead of 64 for the experts' 4-bit codes (a scale per 32 elements).
+* `skewadam-muon-coded-4bit32-stochastic`: the same with stochastic rounding of the
+  hidden tier's 8-bit codes too.
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
   (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
@@ -92,7 +94,7 @@ OPTIMIZERS = (
     'skewadam-muon-expert-momentum', 'skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit',
     'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-dynamic',
     'skewadam-muon-coded-4bit-experts-stochastic',
-    'skewadam-muon-coded-4bit32-experts-stochastic',
+    'skewadam-muon-coded-4bit32-experts-stochastic', 'skewadam-muon-coded-4bit32-stochastic',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -172,6 +174,9 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
         'skewadam-muon-coded-4bit': (nearest4, nearest4),
         'skewadam-muon-coded-4bit32-experts-stochastic': (nearest8, dataclasses.replace(
             nearest4, block_size=32, rounding='stochastic')),
+        'skewadam-muon-coded-4bit32-stochastic': (
+            dataclasses.replace(nearest8, rounding='stochastic'),
+            dataclasses.replace(nearest4, block_size=32, rounding='stochastic')),
     }[name]
     coded = sj.MUON_CODED_TIERS
     return dict(coded, **{k: coded[k].replace(mu_codec=c)

@@ -38,13 +38,18 @@ sys.path.insert(0, str(ROOT))
 import skewadam_jax as sj  # noqa: E402
 
 STEPS, K = 5, 2
+# w3 has w1's shape and sharding: their experts share one Newton-Schulz call (written into
+# one buffer at runtime offsets and read back), which must match one device too.
 SHAPES = {'embed': (64, 32), 'norm': (32,), 'q_proj': (32, 32),
-          'moe': {'router': (32, 4), 'experts': {'w1': (4, 32, 64), 'w2': (4, 64, 32)}}}
+          'moe': {'router': (32, 4), 'experts': {'w1': (4, 32, 64), 'w2': (4, 64, 32),
+                                                 'w3': (4, 32, 64)}}}
 SPECS = {'embed': P(None, 'data'), 'norm': P(), 'q_proj': P(None, 'data'),
          'moe': {'router': P(), 'experts': {'w1': P('expert', None, 'data'),
-                                            'w2': P('expert', 'data', None)}}}
+                                            'w2': P('expert', 'data', None),
+                                            'w3': P('expert', None, 'data')}}}
 LABELS = {'embed': 'backbone', 'norm': 'backbone', 'q_proj': 'backbone',
-          'moe': {'router': 'router', 'experts': {'w1': 'experts', 'w2': 'experts'}}}
+          'moe': {'router': 'router', 'experts': {'w1': 'experts', 'w2': 'experts',
+                                                  'w3': 'experts'}}}
 
 
 def make_tx(expert_block: int = 32, orthogonal: bool = True, stochastic: bool = False

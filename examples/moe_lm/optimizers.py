@@ -44,6 +44,8 @@ warmup + cosine learning-rate schedule. Names:
   of 32 instead of 64 for the experts' 4-bit codes (a scale per 32 elements).
 * `skewadam-muon-coded-4bit32-stochastic`: the same with stochastic rounding of the
   hidden tier's 8-bit codes too.
+* `skewadam-muon-coded-4bit-experts-fp32-hidden`: `sj.MUON_CODED_TIERS` with the hidden
+  tier's momentum in fp32 (a diagnostic: what the hidden tier's codes cost).
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
   (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
@@ -95,6 +97,7 @@ OPTIMIZERS = (
     'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-dynamic',
     'skewadam-muon-coded-4bit-experts-stochastic',
     'skewadam-muon-coded-4bit32-experts-stochastic', 'skewadam-muon-coded-4bit32-stochastic',
+    'skewadam-muon-coded-4bit-experts-fp32-hidden',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -174,6 +177,8 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
         'skewadam-muon-coded-4bit': (nearest4, nearest4),
         'skewadam-muon-coded-4bit32-experts-stochastic': (nearest8, dataclasses.replace(
             nearest4, block_size=32, rounding='stochastic')),
+        'skewadam-muon-coded-4bit-experts-fp32-hidden': (None, dataclasses.replace(
+            nearest4, rounding='stochastic')),
         'skewadam-muon-coded-4bit32-stochastic': (
             dataclasses.replace(nearest8, rounding='stochastic'),
             dataclasses.replace(nearest4, block_size=32, rounding='stochastic')),

@@ -112,7 +112,8 @@ REFINE_ABOVE = 1.9
 STEPS = 2000
 BASELINE = 'adamw'
 # Pairs (a, b) the report compares seed by seed beside the baseline, each at its best
-# lr: the shipped coded policy against Muon and against the same policy in fp32.
+# lr: the shipped coded policy against Muon and against the same policy in fp32, and
+# the front's other point under 10% (experts' codes in blocks of 32) against both.
 PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
          ('skewadam-muon-coded-4bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
          ('skewadam-muon-expert-momentum', 'muon'),

@@ -174,16 +174,15 @@ def path_hash(path: str) -> int:
   return zlib.crc32(path.encode())
 
 
-def codec_path_hashes(leaf_tiers: list[Tier], paths: list[str], arrays: list[Any],
-                      axes: list[Any], t: jax.Array) -> dict[int, jax.Array]:
-  """`path_hash` of each leaf (by index) whose codec draws random numbers, as runtime
-  values (`core.xla.opaque_uints`): a hash folded into the encoding kernel as a
+def codec_path_hashes(leaf_tiers: list[Tier], paths: list[str], t: jax.Array
+                      ) -> dict[int, jax.Array]:
+  """`path_hash` of each leaf (by index) whose tier's codec draws random numbers, as
+  runtime values (`core.xla.opaque_uints`): a hash folded into the encoding kernel as a
   constant makes it a kernel of its own for every leaf; as a runtime value, the leaves
-  of one shape share one compiled kernel."""
-  index = [i for i, (tier, path, x, a) in enumerate(zip(leaf_tiers, paths, arrays, axes))
-           if _per_leaf.trains(x) and tier.momentum and tier.mu_codec is not None
-           and (codec := leaf_codec(tuple(x.shape), tier, a, path)) is not None
-           and codec.needs_seed]
+  of one shape share one compiled kernel. (A hash no leaf uses, e.g. of a leaf that does
+  not train, is dropped by XLA.)"""
+  index = [i for i, tier in enumerate(leaf_tiers)
+           if tier.momentum and tier.mu_codec is not None and tier.mu_codec.needs_seed]
   return dict(zip(index, _xla.opaque_uints([path_hash(paths[i]) for i in index], t)))
 
 

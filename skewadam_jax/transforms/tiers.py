@@ -87,7 +87,7 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     rows = leaves.read(state, _tier_leaf.FIELDS)
     count, t = _per_leaf.next_count(state.count)
     bc2 = _per_leaf.bias_correction(b2, t)
-    hashes = _tier_leaf.codec_path_hashes(leaf_tiers, leaves.paths, leaves.arrays, axes, t)
+    hashes = _tier_leaf.codec_path_hashes(leaf_tiers, leaves.paths, t)
     out = []
     for i, (tier, path, g, p, row, a) in enumerate(zip(
         leaf_tiers, leaves.paths, leaves.arrays, _per_leaf.param_leaves(leaves, params), rows,

@@ -205,6 +205,11 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
         lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
             'experts'].replace(mu_codec=sj.Blockwise(4, 32, 'linear', fit='nearest',
                                                      rounding='stochastic')))), True),
+    'muon-coded-5bit-experts': (
+        'MUON_CODED_TIERS, experts 5-bit in blocks of 256',
+        lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
+            'experts'].replace(mu_codec=sj.Blockwise(5, 256, 'linear', fit='nearest',
+                                                     rounding='stochastic')))), True),
 }
 
 

@@ -57,11 +57,12 @@ def make_tx(expert_block: int = 32, orthogonal: bool = True, stochastic: bool = 
   # The orthogonal estimator's Gram products do not run under an Explicit mesh that
   # shards a matrix axis (XLA asks for their output sharding): factored experts there.
   # `stochastic`: both codecs linear with stochastic rounding (random bits drawn inside
-  # the step, which must not depend on the sharding).
+  # the step, which must not depend on the sharding), the backbone's at 5 bits (bit
+  # planes: a shard of 16 columns holds two whole groups of 8 codes).
   rounding = 'stochastic' if stochastic else 'nearest'
   tiers = {
       'backbone': sj.PUBLISHED_TIERS['backbone'].replace(
-          mu_codec=sj.Blockwise(8, 16, rounding=rounding)),
+          mu_codec=sj.Blockwise(5 if stochastic else 8, 16, rounding=rounding)),
       'experts': sj.Tier(nesterov=True, b1=0.95, clip_threshold=None,
                          second_moment=(sj.Orthogonal(fallback=sj.Factored()) if orthogonal
                                         else 'factored'),

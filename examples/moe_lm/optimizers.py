@@ -44,6 +44,9 @@ warmup + cosine learning-rate schedule. Names:
   of 32 instead of 64 for the experts' 4-bit codes (a scale per 32 elements).
 * `skewadam-muon-coded-4bit32-stochastic`: the same with stochastic rounding of the
   hidden tier's 8-bit codes too.
+* `skewadam-muon-coded-5bit-experts-stochastic`, `skewadam-muon-coded-6bit-experts-stochastic`:
+  `sj.MUON_CODED_TIERS` with the experts' codes at 5 or 6 bits (bit planes) in blocks
+  of 256, stochastic rounding.
 * `skewadam-muon-coded-4bit-experts-fp32-hidden`: `sj.MUON_CODED_TIERS` with the hidden
   tier's momentum in fp32 (a diagnostic: what the hidden tier's codes cost).
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
@@ -98,6 +101,7 @@ OPTIMIZERS = (
     'skewadam-muon-coded-4bit-experts-stochastic',
     'skewadam-muon-coded-4bit32-experts-stochastic', 'skewadam-muon-coded-4bit32-stochastic',
     'skewadam-muon-coded-4bit-experts-fp32-hidden',
+    'skewadam-muon-coded-5bit-experts-stochastic', 'skewadam-muon-coded-6bit-experts-stochastic',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -179,6 +183,10 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
             nearest4, block_size=32, rounding='stochastic')),
         'skewadam-muon-coded-4bit-experts-fp32-hidden': (None, dataclasses.replace(
             nearest4, rounding='stochastic')),
+        'skewadam-muon-coded-5bit-experts-stochastic': (nearest8, dataclasses.replace(
+            nearest8, bits=5, rounding='stochastic')),
+        'skewadam-muon-coded-6bit-experts-stochastic': (nearest8, dataclasses.replace(
+            nearest8, bits=6, rounding='stochastic')),
         'skewadam-muon-coded-4bit32-stochastic': (
             dataclasses.replace(nearest8, rounding='stochastic'),
             dataclasses.replace(nearest4, block_size=32, rounding='stochastic')),

@@ -211,6 +211,70 @@ def unpack_nibbles(packed: jax.Array, axis: int, n: int) -> jax.Array:
   return jax.lax.slice_in_dim(reshape(pairs, shape, spec), 0, n, 1, axis)
 
 
+PLANE_GROUP = 8  # codes per group of the bit-plane layout: one byte per bit of a code
+
+
+def pack_planes(codes: jax.Array, axis: int, bits: int) -> jax.Array:
+  """`bits`-bit codes (uint8 < 2^bits) packed as bit planes along `axis`: the codes in
+  groups of 8 (a length that 8 does not divide padded with zero codes), each group
+  stored as `bits` bytes, byte k holding bit k of the group's codes, code j at bit j.
+  Length along `axis`: `ceil(n / 8) * bits`, so exactly `bits / 8` bytes per code."""
+  n = codes.shape[axis]
+  if n % PLANE_GROUP:
+    pad = [(0, 0)] * codes.ndim
+    pad[axis] = (0, -n % PLANE_GROUP)
+    codes = jnp.pad(codes, pad)
+  spec = explicit_spec(codes)
+  groups = codes.shape[axis] // PLANE_GROUP
+  split = (spec if spec is None else
+           spec._replace(entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
+  grouped = reshape(codes, codes.shape[:axis] + (groups, PLANE_GROUP) + codes.shape[axis + 1:],
+                    split)
+  at = (1,) * (axis + 1) + (PLANE_GROUP,) + (1,) * (codes.ndim - axis - 1)
+  place = jnp.arange(PLANE_GROUP, dtype=jnp.uint8).reshape(at)
+  # Bits of different codes never overlap, so the sum is their bitwise or.
+  planes = jnp.stack([jnp.sum(((grouped >> k) & 1) << place, axis=axis + 1, dtype=jnp.uint8)
+                      for k in range(bits)], axis=axis + 1)
+  return reshape(planes, codes.shape[:axis] + (groups * bits,) + codes.shape[axis + 1:], spec)
+
+
+def unpack_planes(packed: jax.Array, axis: int, n: int, bits: int) -> jax.Array:
+  """The `n` codes along `axis` that `pack_planes` packed."""
+  spec = explicit_spec(packed)
+  groups = packed.shape[axis] // bits
+  split = (spec if spec is None else
+           spec._replace(entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
+  planes = reshape(packed, packed.shape[:axis] + (groups, bits) + packed.shape[axis + 1:], split)
+  tail = (1,) * (packed.ndim - axis - 1)
+  place = jnp.arange(bits, dtype=jnp.uint8).reshape((1,) * (axis + 1) + (bits,) + tail)
+  codes = jnp.stack([jnp.sum(((planes >> j) & 1) << place, axis=axis + 1, dtype=jnp.uint8)
+                     for j in range(PLANE_GROUP)], axis=axis + 1)
+  codes = reshape(codes, packed.shape[:axis] + (groups * PLANE_GROUP,) + packed.shape[axis + 1:],
+                  spec)
+  return jax.lax.slice_in_dim(codes, 0, n, 1, axis)
+
+
+def pack_codes(codes: jax.Array, axis: Optional[int], bits: int) -> jax.Array:
+  """Codes stored at their width along `axis`: 8 bits one per byte, 4 bits two per byte
+  (`pack_nibbles`), any other width as bit planes (`pack_planes`); a 0-d leaf
+  (`axis` None) keeps one byte."""
+  if axis is None or bits == 8:
+    return codes
+  return pack_nibbles(codes, axis) if bits == 4 else pack_planes(codes, axis, bits)
+
+
+def unpack_codes(packed: jax.Array, axis: Optional[int], n: int, bits: int) -> jax.Array:
+  """The `n` codes along `axis` that `pack_codes` stored."""
+  if axis is None or bits == 8:
+    return packed
+  return unpack_nibbles(packed, axis, n) if bits == 4 else unpack_planes(packed, axis, n, bits)
+
+
+def pack_group(bits: int) -> int:
+  """Codes per whole run of bytes along the packed axis: a shard must hold a multiple."""
+  return {8: 1, 4: 2}.get(bits, PLANE_GROUP)
+
+
 def shards(entry: Any, mesh: Optional[Mesh]) -> int:
   """Number of shards a spec entry splits an axis into (1 if unknown)."""
   if mesh is None or entry is None:

@@ -31,12 +31,15 @@ parameter's PartitionSpec (and its Flax axis names) carries over unchanged.
 
 * `codes` (uint8): the parameter's shape at 8 bits; at 4 bits two codes per byte along
   the column axis (length `ceil(C / 2)`): element `2i` in the low nibble, `2i + 1` in
-  the high nibble, an odd `C`'s last high nibble zero;
+  the high nibble, an odd `C`'s last high nibble zero; at any other width `b` (2 .. 7)
+  bit planes along the column axis (length `ceil(C / 8) b`): each group of 8 codes as
+  `b` bytes, byte `k` holding bit `k` of the group's code `j` at bit `j` (a `C` that 8
+  does not divide padded with zero codes);
 * `scales` (float32): each axis `n` shortened to `n / e`, `e` the block's extent along
   it (1 on batch axes).
 
-8 bits in blocks of 256: 1.016 B per element (AdamW's momentum: 4 B); 4 bits in blocks
-of 64: 0.5625 B.
+8 bits in blocks of 256: 1.016 B per element (AdamW's momentum: 4 B); 5 bits in blocks
+of 256: 0.641 B; 4 bits in blocks of 64: 0.5625 B.
 
 References:
   Dettmers, Lewis, Shleifer & Zettlemoyer, 8-bit Optimizers via Block-wise
@@ -61,7 +64,7 @@ from skewadam_jax.estimators import base as _base
 from skewadam_jax.estimators import blocks as _blocks
 
 MAPPINGS = ('linear', 'dynamic')
-BITS = (4, 8)
+BITS = tuple(range(2, 9))  # 2 .. 8 bits per code
 FITS = ('exact', 'nearest')
 ROUNDINGS = ('nearest', 'stochastic')
 MAX_LISTED_SIZES = 12  # block sizes an error lists before it says how many more fit
@@ -131,7 +134,8 @@ class Blockwise(StateCodec):
   """Blockwise low-bit codes with one float32 absmax scale per block (see module doc).
 
   Attributes:
-    bits: 8 (one code per byte) or 4 (two codes per byte).
+    bits: 2 to 8 bits per code: 8 one code per byte, 4 two codes per byte, any other
+      width as bit planes (8 codes in `bits` bytes); `bits / 8` bytes per element.
     block_size: elements per block (static); it must fit every leaf of the tier: the
       block lies inside one matrix (one slice of the batch axes) and, along each axis,
       divides it or covers it whole (`init` lists the sizes that fit). Even at 4 bits.
@@ -227,7 +231,7 @@ class Blockwise(StateCodec):
         f'it whole. Allowed block sizes for this leaf: {listed or "none"}.')
 
   def _pack_axis(self) -> Optional[int]:
-    """The axis 4-bit codes are packed along: the column axis (None for a 0-d leaf)."""
+    """The axis codes are packed along: the column axis (None for a 0-d leaf)."""
     layout = _base.Layout.of(len(self.shape), self.batch_axes)
     return layout.matrix[-1] if layout.matrix else None
 
@@ -247,9 +251,7 @@ class Blockwise(StateCodec):
                              _blocks.outer(_blocks.explicit_spec(zeros)))
     scales = scales.sum(axis=tuple(range(1, 2 * len(extents), 2)))
     codes = jnp.full_like(param, codec._code_of_zero(), dtype=jnp.uint8)
-    if codec.bits == 4 and codec._pack_axis() is not None:
-      codes = _blocks.pack_nibbles(codes, codec._pack_axis())
-    return Coded(codes, scales)
+    return Coded(_blocks.pack_codes(codes, codec._pack_axis(), codec.bits), scales)
 
   @property
   def needs_seed(self) -> bool:
@@ -277,9 +279,8 @@ class Blockwise(StateCodec):
       mids = _blocks.midpoints(_blocks.dynamic_map(self.bits))
       codes = _blocks.nearest(y, mids, self.bits).astype(jnp.uint8)
     codes = _blocks.reshape(codes, tuple(x.shape), spec)
-    axis = self._bound(tuple(x.shape), 'leaf')._pack_axis()
-    if self.bits == 4 and axis is not None:
-      codes = _blocks.pack_nibbles(codes, axis)
+    codes = _blocks.pack_codes(codes, self._bound(tuple(x.shape), 'leaf')._pack_axis(),
+                               self.bits)
     return Coded(codes, _blocks.reshape(absmax, absmax.shape[::2] if x.ndim else (), spec))
 
   def decode(self, stored: Coded) -> jax.Array:
@@ -288,8 +289,8 @@ class Blockwise(StateCodec):
                        '`codec.for_leaf(shape, batch_axes)` first.')
     codes, scales = stored
     axis = self._pack_axis()
-    if self.bits == 4 and axis is not None:
-      codes = _blocks.unpack_nibbles(codes, axis, self.shape[axis])
+    if axis is not None:
+      codes = _blocks.unpack_codes(codes, axis, self.shape[axis], self.bits)
     extents = self._extents()
     spec = _blocks.explicit_spec(codes)
     codes = _blocks.reshape(codes, _blocks.split_shape(self.shape, extents), _blocks.outer(spec))
@@ -306,17 +307,19 @@ class Blockwise(StateCodec):
   def specs(self, spec: _base.Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Coded:
     """The parameter's spec for the codes and the scales (both keep its rank), if every
-    shard holds whole blocks (and, at 4 bits, whole bytes); a ValueError otherwise."""
+    shard holds whole blocks (and whole bytes of packed codes); a ValueError otherwise."""
     codec = self._bound(tuple(shape), path)
     extents = codec._extents(path)
-    pack = codec._pack_axis() if codec.bits == 4 else None
+    pack = codec._pack_axis()
+    group = _blocks.pack_group(codec.bits)
     for axis, (n, e) in enumerate(zip(shape, extents)):
       shards = _blocks.shards(spec[axis], mesh)
       if shards == 1:
         continue
       per_shard = n // shards if n % shards == 0 else None
-      if per_shard is None or per_shard % e or (axis == pack and per_shard % 2):
-        need = f'a multiple of {e}' + (' (and of 2: whole bytes)' if axis == pack else '')
+      packed = axis == pack and group > 1
+      if per_shard is None or per_shard % e or (packed and per_shard % group):
+        need = f'a multiple of {e}' + (f' (and of {group}: whole bytes)' if packed else '')
         raise ValueError(
             f'Parameter {path} of shape {tuple(shape)} is sharded over mesh axis '
             f'{spec[axis]!r} into {shards} shards along axis {axis}, but its {codec.name} '

@@ -97,18 +97,27 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   return jnp.swapaxes(x, -1, -2) if transposed else x
 
 
+def wide(shape: tuple[int, ...]) -> tuple[int, int]:
+  """The `[R, C]` of a matrix as the iteration runs it: the wide orientation (R <= C)."""
+  r, c = shape[-2:]
+  return (r, c) if r <= c else (c, r)
+
+
 def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, float] = NS_COEFFS,
                          steps: int = 5, eps: float = 1e-8,
                          max_batch: Optional[int] = None,
                          key: Optional[jax.Array] = None) -> list[jax.Array]:
   """`[newton_schulz(m, ...) for m in mats]` as one batched iteration.
 
-  `mats` are `[n_i, R, C]` with the same `R, C`. They are written into one buffer of
-  `k * b` matrices (`k = ceil(N / max_batch)` chunks of `b = ceil(N / k)`, zero matrices
-  filling the last; `N = sum(n_i)`), the chunks are orthogonalised one after the other
-  by one compiled iteration (`lax.map`), and each leaf's matrices are read back. Each
-  matrix is normalised and iterated on its own, so the result is that of separate
-  calls (the same operations per matrix; a zero matrix stays zero).
+  `mats` are `[n_i, R_i, C_i]`. Each is turned wide (`R <= C`, as `newton_schulz` does)
+  and written, zero-padded, into one buffer of `k * b` matrices of the largest `[R, C]`
+  (`k = ceil(N / max_batch)` chunks of `b = ceil(N / k)`, zero matrices filling the
+  last; `N = sum(n_i)`); the chunks are orthogonalised one after the other by one
+  compiled iteration (`lax.map`), and each leaf's matrices are read back. Each matrix
+  is normalised and iterated on its own, and zero rows and columns stay zero through
+  the iteration (`X X^T` has them as zero rows and columns, so each product keeps the
+  matrix's block), so the result is that of separate calls up to rounding; a zero
+  matrix stays zero.
 
   Why this shape of program: XLA compiles one kernel per distinct operation, and a
   slice at a constant offset is a different operation at every offset. With `key`, the
@@ -117,7 +126,7 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   there are; and the chunks all have one shape, so that the iteration is compiled once.
 
   Args:
-    mats: the matrices of each leaf, `[n_i, R, C]`.
+    mats: the matrices of each leaf, `[n_i, R_i, C_i]`.
     coeffs, steps, eps: as in `newton_schulz`.
     max_batch: at most this many matrices per chunk (None: one chunk): the float32
       temporaries of the iteration are those of one chunk.
@@ -125,12 +134,15 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
       hides the offsets from XLA's constant folding; None leaves them constants.
 
   Returns:
-    The orthogonalised `mats`, each `[n_i, R, C]`.
+    The orthogonalised `mats`, each `[n_i, R_i, C_i]`.
   """
   sizes = [m.shape[0] for m in mats]
   total = sum(sizes)
   if len(mats) == 1 and (max_batch is None or total <= max_batch):
     return [newton_schulz(mats[0], coeffs, steps, eps)]
+  tall = [m.shape[1] > m.shape[2] for m in mats]
+  mats = [jnp.swapaxes(m, 1, 2) if t else m for m, t in zip(mats, tall)]
+  shape = (max(m.shape[1] for m in mats), max(m.shape[2] for m in mats))
   chunks = 1 if max_batch is None else -(-total // max(1, max_batch))
   per = -(-total // chunks)
   starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -138,7 +150,7 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   offsets = (tuple(jnp.uint32(o) for o in starts) if key is None
              else _xla.opaque_uints(starts, key))
   zero = jnp.uint32(0)
-  buf = jnp.zeros((chunks * per,) + tuple(mats[0].shape[1:]), jnp.float32)
+  buf = jnp.zeros((chunks * per,) + shape, jnp.float32)
   for m, o in zip(mats, offsets):
     buf = jax.lax.dynamic_update_slice(buf, m.astype(jnp.float32), (o, zero, zero))
   if chunks == 1:
@@ -146,7 +158,8 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   else:
     out = jax.lax.map(lambda b: newton_schulz(b, coeffs, steps, eps),
                       buf.reshape((chunks, per) + buf.shape[1:])).reshape(buf.shape)
-  return [jax.lax.dynamic_slice(out, (o, zero, zero), m.shape) for m, o in zip(mats, offsets)]
+  back = [jax.lax.dynamic_slice(out, (o, zero, zero), m.shape) for m, o in zip(mats, offsets)]
+  return [jnp.swapaxes(b, 1, 2) if t else b for b, t in zip(back, tall)]
 
 
 @dataclasses.dataclass(frozen=True)

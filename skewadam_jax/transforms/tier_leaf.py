@@ -198,7 +198,7 @@ def _codec_seed(t: jax.Array, path_key: Any) -> jax.Array:
 class Deferred(NamedTuple):
   """A leaf's update waiting for its Newton-Schulz iteration (`Orthogonal.prepare`)."""
   mats: jax.Array  # shape=[n, R, C] float32: the matrices to orthogonalise
-  key: tuple[Any, ...]  # (R, C) and the estimator's `iteration`: who may share a call
+  key: tuple[Any, ...]  # wide (R, C) and the estimator's `iteration`: who may share a call
   estimator: _orthogonal.Orthogonal
   resume: Callable[[jax.Array], tuple[jax.Array, dict[str, Any]]]  # NS result -> update, state
 
@@ -264,7 +264,7 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   if defer and isinstance(estimator, _orthogonal.Orthogonal) and (
       type(estimator).update is _orthogonal.Orthogonal.update):
     mats, finish = estimator.prepare(x, step)
-    return Deferred(mats, (tuple(mats.shape[1:]), estimator.iteration), estimator,
+    return Deferred(mats, (_orthogonal.wide(mats.shape), estimator.iteration), estimator,
                     lambda o: end(finish(o), {}))
   return end(*estimator.update(g, present, x, step))
 
@@ -274,24 +274,56 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
 # of the shape (and at least this many elements), so the many small matrices of a model
 # share one chunk while the peak stays that of its largest leaf.
 MIN_SHARED_ELEMENTS = 1 << 20
+# Matrices of a smaller shape join the call of a shape at least as large in both
+# (zero-padded: the same result) when they add at most this share to its matrices:
+# each padded matrix costs the iteration of a larger one, and a shape of its own costs a
+# compiled iteration (about a dozen XLA kernels) for a few small matrices.
+MAX_PADDED_SHARE = 1 / 8
+
+
+def shared_calls(keys: list[tuple[Any, ...]], counts: list[int]) -> list[list[int]]:
+  """Which leaves share a Newton-Schulz call: indices into `keys` (each
+  `(wide [R, C], iteration)`) grouped by key, then each group of a smaller shape moved
+  into the group of the largest shape that holds it (at least its `R` and `C`, the same
+  iteration), if its matrices (`counts` per leaf) are at most `MAX_PADDED_SHARE` of that
+  group's own."""
+  groups: dict[tuple[Any, ...], list[int]] = {}
+  for i, k in enumerate(keys):
+    groups.setdefault(k, []).append(i)
+  size = {k: sum(counts[i] for i in idx) for k, idx in groups.items()}
+  # Largest matrices first: a host is never itself moved into another.
+  order = sorted(groups, key=lambda k: (-math.prod(k[0]), -size[k], str(k)))
+  hosts: list[tuple[Any, ...]] = []
+  merged: dict[tuple[Any, ...], list[int]] = {}
+  for k in order:
+    fits = [h for h in hosts if h[1] == k[1] and h[0][0] >= k[0][0] and h[0][1] >= k[0][1]
+            and size[k] <= MAX_PADDED_SHARE * size[h]]
+    if fits:
+      merged[fits[0]].extend(groups[k])
+    else:
+      hosts.append(k)
+      merged[k] = list(groups[k])
+  return [sorted(idx) for idx in merged.values()]
 
 
 def resolve(out: list[Any], t: jax.Array) -> list[tuple[jax.Array, dict[str, Any]]]:
-  """`out` with every `Deferred` completed: the leaves of one matrix shape (and
-  iteration) share one batched Newton-Schulz iteration, run in chunks of at most as
-  many elements as the largest of those leaves (or `MIN_SHARED_ELEMENTS`), instead of
-  one call per leaf; the same operations per matrix. `t`: the step count (float32),
-  which keeps the leaves' offsets runtime values (`newton_schulz_shared`)."""
-  groups: dict[tuple[Any, ...], list[int]] = {}
-  for i, o in enumerate(out):
-    if isinstance(o, Deferred):
-      groups.setdefault(o.key, []).append(i)
+  """`out` with every `Deferred` completed: the leaves of one matrix shape (turned wide,
+  R <= C, and the same iteration), with the few matrices of smaller shapes that
+  `shared_calls` pads into it, share one batched Newton-Schulz iteration, run in chunks
+  of at most as many elements as the largest of those leaves (or
+  `MIN_SHARED_ELEMENTS`), instead of one call per leaf; the same operations per matrix.
+  `t`: the step count (float32), which keeps the leaves' offsets runtime values
+  (`newton_schulz_shared`)."""
+  deferred = [i for i, o in enumerate(out) if isinstance(o, Deferred)]
+  calls = shared_calls([out[i].key for i in deferred], [out[i].mats.shape[0] for i in deferred])
   out = list(out)
-  for idx in groups.values():
-    first = out[idx[0]]
-    matrix = math.prod(first.mats.shape[1:])
-    budget = max(MIN_SHARED_ELEMENTS, max(out[i].mats.size for i in idx))
-    est = first.estimator
+  for call in calls:
+    idx = [deferred[j] for j in call]
+    shape = (max(_orthogonal.wide(out[i].mats.shape)[0] for i in idx),
+             max(_orthogonal.wide(out[i].mats.shape)[1] for i in idx))
+    matrix = math.prod(shape)
+    budget = max(MIN_SHARED_ELEMENTS, max(out[i].mats.shape[0] * matrix for i in idx))
+    est = out[idx[0]].estimator
     orthogonal = _orthogonal.newton_schulz_shared(
         [out[i].mats for i in idx], est.ns_coeffs, est.ns_steps, est.eps,
         max_batch=max(1, budget // matrix), key=t)

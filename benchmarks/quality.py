@@ -113,7 +113,8 @@ STEPS = 2000
 BASELINE = 'adamw'
 # Pairs (a, b) the report compares seed by seed beside the baseline, each at its best
 # lr: the shipped coded policy against Muon and against the same policy in fp32, and
-# the front's other point under 10% (experts' codes in blocks of 32) against both.
+# the front's other points under 10% (experts' 4-bit codes in blocks of 32, 5-bit codes
+# in blocks of 256) against the fp32 form and the shipped one.
 PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
          ('skewadam-muon-coded-4bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
          ('skewadam-muon-expert-momentum', 'muon'),
@@ -121,6 +122,9 @@ PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
          ('skewadam-muon-coded-4bit32-experts-stochastic', 'muon'),
          ('skewadam-muon-coded-4bit32-experts-stochastic', 'skewadam-muon-expert-momentum'),
          ('skewadam-muon-coded-4bit32-experts-stochastic',
+          'skewadam-muon-coded-4bit-experts-stochastic'),
+         ('skewadam-muon-coded-5bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
+         ('skewadam-muon-coded-5bit-experts-stochastic',
           'skewadam-muon-coded-4bit-experts-stochastic'))
 
 

@@ -809,3 +809,26 @@ def test_stochastic_codec_in_a_tier_draws_by_step_and_leaf():
     assert np.array_equal(x, y)
   # The two leaves see the same gradients but draw different numbers.
   assert not np.array_equal(full.mu['a'].codes, full.mu['b'].codes)
+
+
+def test_a_codec_written_outside_the_library_plugs_into_a_tier():
+  # The example's rank-1 codec (`sj.StateCodec` subclass, a tuple of three arrays): its
+  # round trip within one level of min(row max, column max) per element, its state
+  # counted at its width by the reports, and a jitted tier that runs with it.
+  from examples.moe_lm import optimizers as opt_lib
+  codec = opt_lib.Rank1Codes(4)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 8, 12)), jnp.float32)
+  bound = codec.for_leaf(x.shape)
+  got = np.asarray(bound.decode(bound.encode(x, jnp.uint32(1))))
+  a = np.abs(np.asarray(x))
+  s = np.minimum(a.max(-1, keepdims=True), a.max(-2, keepdims=True))
+  assert np.all(np.abs(got - np.asarray(x)) <= s / 7 * (1 + 1e-5))
+  tier = sj.Tier(nesterov=True, b1=0.95, clip_threshold=None, mu_codec=codec,
+                 second_moment=sj.Orthogonal(fallback=sj.Factored()))
+  tx = sj.scale_by_tiered_adam(tier=tier, batch_axes={'w': (0,)})
+  state = tx.init({'w': jnp.zeros((3, 8, 12))})
+  assert sj.state_bytes(state.mu['w']) == 3 * 8 * 6 + 4 * 3 * (8 + 12)
+  u, state = jax.jit(tx.update)({'w': x}, state)
+  assert np.all(np.isfinite(np.asarray(u['w'])))
+  with pytest.raises(ValueError, match='Rank1Codes needs'):
+    codec.for_leaf((5,))

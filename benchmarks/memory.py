@@ -33,6 +33,8 @@ float32 statistics) and is initialised on the bf16 parameters themselves. The co
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import time
 from typing import Any, Callable, Optional
@@ -168,6 +170,17 @@ def _coded(hidden_bits: Optional[int], expert_bits: Optional[int]) -> dict[str, 
   return tiers
 
 
+def _six_five() -> dict[str, sj.Tier]:
+  """`MUON_CODED_TIERS` with the experts' momentum in 6-bit codes and every other momentum
+  (backbone, hidden) in 5-bit codes, blocks of 256, stochastic rounding."""
+  five = sj.Blockwise(5, 256, 'linear', fit='nearest', rounding='stochastic')
+  tiers = dict(sj.MUON_CODED_TIERS)
+  tiers['backbone'] = tiers['backbone'].replace(mu_codec=five)
+  tiers['hidden'] = tiers['hidden'].replace(mu_codec=five)
+  tiers['experts'] = tiers['experts'].replace(mu_codec=dataclasses.replace(five, bits=6))
+  return tiers
+
+
 # name -> (label, factory, float32 state?). "float32 state" optimizers are initialised on
 # a float32 copy of the parameters (see the module docstring).
 OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], bool]] = {
@@ -205,6 +218,9 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
         lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
             'experts'].replace(mu_codec=sj.Blockwise(4, 32, 'linear', fit='nearest',
                                                      rounding='stochastic')))), True),
+    'muon-coded-6bit-experts-5bit-rest': (
+        'MUON_CODED_TIERS, experts 6-bit, backbone and hidden 5-bit (blocks of 256)',
+        lambda: sj.skewadam(LR, tiers=_six_five()), True),
     'muon-coded-5bit-experts': (
         'MUON_CODED_TIERS, experts 5-bit in blocks of 256',
         lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[

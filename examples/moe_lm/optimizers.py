@@ -47,6 +47,9 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-coded-5bit-experts-stochastic`, `skewadam-muon-coded-6bit-experts-stochastic`:
   `sj.MUON_CODED_TIERS` with the experts' codes at 5 or 6 bits (bit planes) in blocks
   of 256, stochastic rounding.
+* `skewadam-muon-coded-6bit-experts-5bit-rest`: `sj.MUON_CODED_TIERS` with the experts'
+  codes at 6 bits and the backbone's and hidden tier's momentum at 5 bits (blocks of
+  256, stochastic rounding).
 * `skewadam-muon-coded-4bit-rank1-experts`: `sj.MUON_CODED_TIERS` with the experts'
   4-bit codes normalised by row and column maxima (`Rank1Codes`, a codec written
   against `sj.StateCodec` outside the library).
@@ -161,7 +164,7 @@ OPTIMIZERS = (
     'skewadam-muon-coded-4bit32-experts-stochastic', 'skewadam-muon-coded-4bit32-stochastic',
     'skewadam-muon-coded-4bit-experts-fp32-hidden',
     'skewadam-muon-coded-5bit-experts-stochastic', 'skewadam-muon-coded-6bit-experts-stochastic',
-    'skewadam-muon-coded-4bit-rank1-experts',
+    'skewadam-muon-coded-4bit-rank1-experts', 'skewadam-muon-coded-6bit-experts-5bit-rest',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -226,6 +229,14 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   if name == 'skewadam-muon-expert-momentum':  # the experts as Muon treats them
     return dict(sj.MUON_TIERS, experts=sj.MUON_TIERS['hidden'].replace(
         second_moment=sj.Orthogonal(fallback=sj.Factored())))
+  if name == 'skewadam-muon-coded-6bit-experts-5bit-rest':
+    # Under a tenth of AdamW's state with the experts at 6 bits: every other momentum
+    # (the backbone's: embeddings, norms; the hidden tier's) in 5-bit codes.
+    five = sj.Blockwise(5, 256, 'linear', fit='nearest', rounding='stochastic')
+    coded = sj.MUON_CODED_TIERS
+    return dict(coded, backbone=coded['backbone'].replace(mu_codec=five),
+                hidden=coded['hidden'].replace(mu_codec=five),
+                experts=coded['experts'].replace(mu_codec=dataclasses.replace(five, bits=6)))
   if name.startswith('skewadam-muon-coded'):
     # The shipped `sj.MUON_CODED_TIERS` is `-4bit-experts-stochastic`; the others change
     # the codes of the hidden tier's and the experts' momentum.

@@ -218,6 +218,11 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
         lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
             'experts'].replace(mu_codec=sj.Blockwise(4, 32, 'linear', fit='nearest',
                                                      rounding='stochastic')))), True),
+    'muon-coded-6bit-experts': (
+        'MUON_CODED_TIERS, experts 6-bit in blocks of 256',
+        lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
+            'experts'].replace(mu_codec=sj.Blockwise(6, 256, 'linear', fit='nearest',
+                                                     rounding='stochastic')))), True),
     'muon-coded-6bit-experts-5bit-rest': (
         'MUON_CODED_TIERS, experts 6-bit, backbone and hidden 5-bit (blocks of 256)',
         lambda: sj.skewadam(LR, tiers=_six_five()), True),

@@ -113,8 +113,8 @@ STEPS = 2000
 BASELINE = 'adamw'
 # Pairs (a, b) the report compares seed by seed beside the baseline, each at its best
 # lr: the shipped coded policy against Muon and against the same policy in fp32, and
-# the front's other points under 10% (experts' 4-bit codes in blocks of 32, 5-bit codes
-# in blocks of 256) against the fp32 form and the shipped one.
+# the front's other points (bits and blocks, under and over 10% of AdamW's state)
+# against the fp32 form or the shipped codes.
 PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
          ('skewadam-muon-coded-4bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
          ('skewadam-muon-expert-momentum', 'muon'),
@@ -125,6 +125,11 @@ PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
           'skewadam-muon-coded-4bit-experts-stochastic'),
          ('skewadam-muon-coded-5bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
          ('skewadam-muon-coded-5bit-experts-stochastic',
+          'skewadam-muon-coded-4bit-experts-stochastic'),
+         ('skewadam-muon-coded-6bit-experts-5bit-rest', 'skewadam-muon-expert-momentum'),
+         ('skewadam-muon-coded-6bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
+         ('skewadam-muon-coded-8bit', 'skewadam-muon-expert-momentum'),
+         ('skewadam-muon-coded-4bit-rank1-experts',
           'skewadam-muon-coded-4bit-experts-stochastic'))
 
 

@@ -33,8 +33,6 @@ float32 statistics) and is initialised on the bf16 parameters themselves. The co
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
 import time
 from typing import Any, Callable, Optional
@@ -50,6 +48,7 @@ from optax.contrib import muon
 
 import skewadam_jax as sj
 from examples import _cli
+from examples.moe_lm import optimizers as opt_lib
 from examples.moe_lm.model import abstract_params, get_config
 
 LR = 1e-3
@@ -170,15 +169,10 @@ def _coded(hidden_bits: Optional[int], expert_bits: Optional[int]) -> dict[str, 
   return tiers
 
 
-def _six_five() -> dict[str, sj.Tier]:
-  """`MUON_CODED_TIERS` with the experts' momentum in 6-bit codes and every other momentum
-  (backbone, hidden) in 5-bit codes, blocks of 256, stochastic rounding."""
-  five = sj.Blockwise(5, 256, 'linear', fit='nearest', rounding='stochastic')
-  tiers = dict(sj.MUON_CODED_TIERS)
-  tiers['backbone'] = tiers['backbone'].replace(mu_codec=five)
-  tiers['hidden'] = tiers['hidden'].replace(mu_codec=five)
-  tiers['experts'] = tiers['experts'].replace(mu_codec=dataclasses.replace(five, bits=6))
-  return tiers
+def _example(variant: str) -> optax.GradientTransformation:
+  """SkewAdam with the quality sweep's coded policy `skewadam-muon-coded-<variant>`
+  (examples/moe_lm/optimizers.py), so that both count the same tiers."""
+  return sj.skewadam(LR, tiers=opt_lib.skewadam_tiers(f'skewadam-muon-coded-{variant}'))
 
 
 # name -> (label, factory, float32 state?). "float32 state" optimizers are initialised on
@@ -213,24 +207,15 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
                    lambda: sj.skewadam(LR, tiers=sj.MUON_CODED_TIERS), True),
     'muon-coded-4bit': ('MUON_CODED_TIERS, 4-bit momentum everywhere (blocks of 64)',
                         lambda: sj.skewadam(LR, tiers=_coded(4, 4)), True),
-    'muon-coded-4bit32-experts': (
-        'MUON_CODED_TIERS, experts 4-bit in blocks of 32',
-        lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
-            'experts'].replace(mu_codec=sj.Blockwise(4, 32, 'linear', fit='nearest',
-                                                     rounding='stochastic')))), True),
-    'muon-coded-6bit-experts': (
-        'MUON_CODED_TIERS, experts 6-bit in blocks of 256',
-        lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
-            'experts'].replace(mu_codec=sj.Blockwise(6, 256, 'linear', fit='nearest',
-                                                     rounding='stochastic')))), True),
+    'muon-coded-4bit32-experts': ('MUON_CODED_TIERS, experts 4-bit in blocks of 32',
+                                  lambda: _example('4bit32-experts-stochastic'), True),
+    'muon-coded-5bit-experts': ('MUON_CODED_TIERS, experts 5-bit in blocks of 256',
+                                lambda: _example('5bit-experts-stochastic'), True),
+    'muon-coded-6bit-experts': ('MUON_CODED_TIERS, experts 6-bit in blocks of 256',
+                                lambda: _example('6bit-experts-stochastic'), True),
     'muon-coded-6bit-experts-5bit-rest': (
         'MUON_CODED_TIERS, experts 6-bit, backbone and hidden 5-bit (blocks of 256)',
-        lambda: sj.skewadam(LR, tiers=_six_five()), True),
-    'muon-coded-5bit-experts': (
-        'MUON_CODED_TIERS, experts 5-bit in blocks of 256',
-        lambda: sj.skewadam(LR, tiers=dict(sj.MUON_CODED_TIERS, experts=sj.MUON_CODED_TIERS[
-            'experts'].replace(mu_codec=sj.Blockwise(5, 256, 'linear', fit='nearest',
-                                                     rounding='stochastic')))), True),
+        lambda: _example('6bit-experts-5bit-rest'), True),
 }
 
 

@@ -186,18 +186,25 @@ def outer(placed: Optional[Placed]) -> Optional[Placed]:
       entries=tuple(d for e in placed.entries for d in (e, None)))
 
 
+def _split(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """`x` with `axis` (padded with zeros to a multiple of `size`) split into
+  `(n / size, size)`; the outer part keeps the axis' placement."""
+  n = x.shape[axis]
+  if n % size:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, -n % size)
+    x = jnp.pad(x, pad)
+  spec = explicit_spec(x)
+  split = None if spec is None else spec._replace(
+      entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:])
+  return reshape(x, x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1:],
+                 split)
+
+
 def pack_nibbles(codes: jax.Array, axis: int) -> jax.Array:
   """4-bit codes (uint8 < 16) packed two per byte along `axis`: element `2i` in the low
   nibble, `2i + 1` in the high one; an odd length gets a zero high nibble last."""
-  n = codes.shape[axis]
-  if n % 2:
-    pad = [(0, 0)] * codes.ndim
-    pad[axis] = (0, 1)
-    codes = jnp.pad(codes, pad)
-  spec = explicit_spec(codes)
-  shape = codes.shape[:axis] + (codes.shape[axis] // 2, 2) + codes.shape[axis + 1:]
-  pairs = reshape(codes, shape, None if spec is None else spec._replace(
-      entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
+  pairs = _split(codes, axis, 2)
   low = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
   high = jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
   return low | (high << 4)
@@ -214,44 +221,35 @@ def unpack_nibbles(packed: jax.Array, axis: int, n: int) -> jax.Array:
 PLANE_GROUP = 8  # codes per group of the bit-plane layout: one byte per bit of a code
 
 
+def _gather_bits(x: jax.Array, axis: int, out: int) -> jax.Array:
+  """The bit-plane transpose along `axis` (of length m): byte `i` (i < `out`) of the
+  result holds bit `i` of each of the m bytes along `axis`, the j-th at bit j. Packing is
+  this with the 8 codes of a group and `out` = bits; unpacking with the `bits` planes
+  and `out` = 8."""
+  m = x.shape[axis]
+  place = jnp.arange(m, dtype=jnp.uint8).reshape((m,) + (1,) * (x.ndim - axis - 1))
+  # Bits of different bytes never overlap, so the sum is their bitwise or.
+  return jnp.stack([jnp.sum(((x >> i) & 1) << place, axis=axis, dtype=jnp.uint8)
+                    for i in range(out)], axis=axis)
+
+
 def pack_planes(codes: jax.Array, axis: int, bits: int) -> jax.Array:
   """`bits`-bit codes (uint8 < 2^bits) packed as bit planes along `axis`: the codes in
   groups of 8 (a length that 8 does not divide padded with zero codes), each group
   stored as `bits` bytes, byte k holding bit k of the group's codes, code j at bit j.
   Length along `axis`: `ceil(n / 8) * bits`, so exactly `bits / 8` bytes per code."""
-  n = codes.shape[axis]
-  if n % PLANE_GROUP:
-    pad = [(0, 0)] * codes.ndim
-    pad[axis] = (0, -n % PLANE_GROUP)
-    codes = jnp.pad(codes, pad)
   spec = explicit_spec(codes)
-  groups = codes.shape[axis] // PLANE_GROUP
-  split = (spec if spec is None else
-           spec._replace(entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
-  grouped = reshape(codes, codes.shape[:axis] + (groups, PLANE_GROUP) + codes.shape[axis + 1:],
-                    split)
-  at = (1,) * (axis + 1) + (PLANE_GROUP,) + (1,) * (codes.ndim - axis - 1)
-  place = jnp.arange(PLANE_GROUP, dtype=jnp.uint8).reshape(at)
-  # Bits of different codes never overlap, so the sum is their bitwise or.
-  planes = jnp.stack([jnp.sum(((grouped >> k) & 1) << place, axis=axis + 1, dtype=jnp.uint8)
-                      for k in range(bits)], axis=axis + 1)
-  return reshape(planes, codes.shape[:axis] + (groups * bits,) + codes.shape[axis + 1:], spec)
+  planes = _gather_bits(_split(codes, axis, PLANE_GROUP), axis + 1, bits)
+  shape = planes.shape[:axis] + (planes.shape[axis] * bits,) + planes.shape[axis + 2:]
+  return reshape(planes, shape, spec)
 
 
 def unpack_planes(packed: jax.Array, axis: int, n: int, bits: int) -> jax.Array:
   """The `n` codes along `axis` that `pack_planes` packed."""
   spec = explicit_spec(packed)
-  groups = packed.shape[axis] // bits
-  split = (spec if spec is None else
-           spec._replace(entries=spec.entries[:axis + 1] + (None,) + spec.entries[axis + 1:]))
-  planes = reshape(packed, packed.shape[:axis] + (groups, bits) + packed.shape[axis + 1:], split)
-  tail = (1,) * (packed.ndim - axis - 1)
-  place = jnp.arange(bits, dtype=jnp.uint8).reshape((1,) * (axis + 1) + (bits,) + tail)
-  codes = jnp.stack([jnp.sum(((planes >> j) & 1) << place, axis=axis + 1, dtype=jnp.uint8)
-                     for j in range(PLANE_GROUP)], axis=axis + 1)
-  codes = reshape(codes, packed.shape[:axis] + (groups * PLANE_GROUP,) + packed.shape[axis + 1:],
-                  spec)
-  return jax.lax.slice_in_dim(codes, 0, n, 1, axis)
+  codes = _gather_bits(_split(packed, axis, bits), axis + 1, PLANE_GROUP)
+  shape = codes.shape[:axis] + (codes.shape[axis] * PLANE_GROUP,) + codes.shape[axis + 2:]
+  return jax.lax.slice_in_dim(reshape(codes, shape, spec), 0, n, 1, axis)
 
 
 def pack_codes(codes: jax.Array, axis: Optional[int], bits: int) -> jax.Array:

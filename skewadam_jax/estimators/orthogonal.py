@@ -103,6 +103,12 @@ def wide(shape: tuple[int, ...]) -> tuple[int, int]:
   return (r, c) if r <= c else (c, r)
 
 
+def padded_shape(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+  """The `[R, C]` a shared call pads its matrices to: the largest wide `R` and `C`."""
+  wides = [wide(s) for s in shapes]
+  return max(r for r, _ in wides), max(c for _, c in wides)
+
+
 def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, float] = NS_COEFFS,
                          steps: int = 5, eps: float = 1e-8,
                          max_batch: Optional[int] = None,
@@ -140,9 +146,9 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   total = sum(sizes)
   if len(mats) == 1 and (max_batch is None or total <= max_batch):
     return [newton_schulz(mats[0], coeffs, steps, eps)]
+  shape = padded_shape([m.shape for m in mats])
   tall = [m.shape[1] > m.shape[2] for m in mats]
   mats = [jnp.swapaxes(m, 1, 2) if t else m for m, t in zip(mats, tall)]
-  shape = (max(m.shape[1] for m in mats), max(m.shape[2] for m in mats))
   chunks = 1 if max_batch is None else -(-total // max(1, max_batch))
   per = -(-total // chunks)
   starts = [sum(sizes[:i]) for i in range(len(sizes))]

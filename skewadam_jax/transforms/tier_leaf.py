@@ -319,9 +319,7 @@ def resolve(out: list[Any], t: jax.Array) -> list[tuple[jax.Array, dict[str, Any
   out = list(out)
   for call in calls:
     idx = [deferred[j] for j in call]
-    shape = (max(_orthogonal.wide(out[i].mats.shape)[0] for i in idx),
-             max(_orthogonal.wide(out[i].mats.shape)[1] for i in idx))
-    matrix = math.prod(shape)
+    matrix = math.prod(_orthogonal.padded_shape([out[i].mats.shape for i in idx]))
     budget = max(MIN_SHARED_ELEMENTS, max(out[i].mats.shape[0] * matrix for i in idx))
     est = out[idx[0]].estimator
     orthogonal = _orthogonal.newton_schulz_shared(

@@ -216,6 +216,9 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
     'muon-coded-6bit-experts-5bit-rest': (
         'MUON_CODED_TIERS, experts 6-bit, backbone and hidden 5-bit (blocks of 256)',
         lambda: _example('6bit-experts-5bit-rest'), True),
+    'muon-coded-6bit-8bit-backbone': (
+        'MUON_CODED_TIERS, experts and hidden 6-bit, backbone 8-bit (blocks of 256)',
+        lambda: _example('6bit-8bit-backbone'), True),
 }
 
 

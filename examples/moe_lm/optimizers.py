@@ -50,6 +50,9 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-coded-6bit-experts-5bit-rest`: `sj.MUON_CODED_TIERS` with the experts'
   codes at 6 bits and the backbone's and hidden tier's momentum at 5 bits (blocks of
   256, stochastic rounding).
+* `skewadam-muon-coded-6bit-8bit-backbone`: `sj.MUON_CODED_TIERS` with the experts' and
+  the hidden tier's momentum in 6-bit codes and the backbone's in 8-bit codes (blocks
+  of 256, stochastic rounding); `-nearest`: the same with round-to-nearest codes.
 * `skewadam-muon-coded-4bit-rank1-experts`: `sj.MUON_CODED_TIERS` with the experts'
   4-bit codes normalised by row and column maxima (`Rank1Codes`, a codec written
   against `sj.StateCodec` outside the library).
@@ -165,6 +168,7 @@ OPTIMIZERS = (
     'skewadam-muon-coded-4bit-experts-fp32-hidden',
     'skewadam-muon-coded-5bit-experts-stochastic', 'skewadam-muon-coded-6bit-experts-stochastic',
     'skewadam-muon-coded-4bit-rank1-experts', 'skewadam-muon-coded-6bit-experts-5bit-rest',
+    'skewadam-muon-coded-6bit-8bit-backbone', 'skewadam-muon-coded-6bit-8bit-backbone-nearest',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -237,6 +241,21 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
     return dict(coded, backbone=coded['backbone'].replace(mu_codec=five),
                 hidden=coded['hidden'].replace(mu_codec=five),
                 experts=coded['experts'].replace(mu_codec=dataclasses.replace(five, bits=6)))
+  if name in ('skewadam-muon-coded-6bit-8bit-backbone',
+              'skewadam-muon-coded-6bit-8bit-backbone-nearest'):
+    # The most bits the orthogonalised momenta (experts, hidden) can have under a tenth
+    # of AdamW's state on both the sweep's model and 6.78B, with the backbone's Adam
+    # momentum (embeddings, norms; fp32 in the shipped policy) at 8 bits. Stochastic
+    # rounding re-draws every code's error at each step, and the momentum sums them
+    # (variance ~ step^2 / 6 / (1 - b1^2), about 10 steps' worth at b1 = 0.95);
+    # round-to-nearest keeps each error within half a step but drops increments below
+    # it, which at 6 bits are rare.
+    rounding = 'nearest' if name.endswith('-nearest') else 'stochastic'
+    six = sj.Blockwise(6, 256, 'linear', fit='nearest', rounding=rounding)
+    coded = sj.MUON_CODED_TIERS
+    return dict(coded, backbone=coded['backbone'].replace(
+        mu_codec=dataclasses.replace(six, bits=8)), hidden=coded['hidden'].replace(
+            mu_codec=six), experts=coded['experts'].replace(mu_codec=six))
   if name.startswith('skewadam-muon-coded'):
     # The shipped `sj.MUON_CODED_TIERS` is `-4bit-experts-stochastic`; the others change
     # the codes of the hidden tier's and the experts' momentum.

@@ -227,10 +227,14 @@ def _gather_bits(x: jax.Array, axis: int, out: int) -> jax.Array:
   this with the 8 codes of a group and `out` = bits; unpacking with the `bits` planes
   and `out` = 8."""
   m = x.shape[axis]
-  place = jnp.arange(m, dtype=jnp.uint8).reshape((m,) + (1,) * (x.ndim - axis - 1))
-  # Bits of different bytes never overlap, so the sum is their bitwise or.
-  return jnp.stack([jnp.sum(((x >> i) & 1) << place, axis=axis, dtype=jnp.uint8)
-                    for i in range(out)], axis=axis)
+  rest = (1,) * (x.ndim - axis - 1)
+  bit = jnp.arange(out, dtype=jnp.uint8).reshape((1, out) + rest)
+  place = jnp.arange(m, dtype=jnp.uint8).reshape((m, 1) + rest)
+  # One broadcast and one sum over the m bytes (their bits never overlap, so the sum is
+  # their bitwise or), not a sum per output byte: a step decodes in several fused
+  # kernels, each of which would repeat `out` reductions.
+  return jnp.sum(((jnp.expand_dims(x, axis + 1) >> bit) & 1) << place, axis=axis,
+                 dtype=jnp.uint8)
 
 
 def pack_planes(codes: jax.Array, axis: int, bits: int) -> jax.Array:

@@ -162,8 +162,9 @@ def _codes(bits: Optional[int]) -> Optional[sj.Blockwise]:
 
 
 def _coded(hidden_bits: Optional[int], expert_bits: Optional[int]) -> dict[str, sj.Tier]:
-  """`MUON_CODED_TIERS` with the hidden and expert momentum in other codes (None: fp32)."""
-  tiers = dict(sj.MUON_CODED_TIERS)
+  """The first `MUON_CODED_TIERS` (the example's `CODED_4BIT_TIERS`: fp32 backbone
+  momentum) with the hidden and expert momentum in other codes (None: fp32)."""
+  tiers = dict(opt_lib.CODED_4BIT_TIERS)
   tiers['hidden'] = tiers['hidden'].replace(mu_codec=_codes(hidden_bits))
   tiers['experts'] = tiers['experts'].replace(mu_codec=_codes(expert_bits))
   return tiers
@@ -200,25 +201,26 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
                    lambda: sj.skewadam(LR, tiers=sj.MUON_TIERS), True),
     'muon-tiers-fp32-expert-momentum': (
         'MUON_CODED_TIERS with fp32 momentum (no codes)',
-        lambda: sj.skewadam(LR, tiers=_coded(None, None)), True),
-    'muon-coded-8bit': ('MUON_CODED_TIERS, 8-bit momentum everywhere (blocks of 256)',
-                        lambda: sj.skewadam(LR, tiers=_coded(8, 8)), True),
-    'muon-coded': ('MUON_CODED_TIERS (8-bit hidden, 4-bit experts)',
+        lambda: sj.skewadam(LR, tiers={k: t.replace(mu_codec=None)
+                                       for k, t in sj.MUON_CODED_TIERS.items()}), True),
+    'muon-coded': ('MUON_CODED_TIERS (6-bit experts and hidden, 8-bit backbone)',
                    lambda: sj.skewadam(LR, tiers=sj.MUON_CODED_TIERS), True),
-    'muon-coded-4bit': ('MUON_CODED_TIERS, 4-bit momentum everywhere (blocks of 64)',
+    'muon-coded-8bit': ('first MUON_CODED_TIERS, 8-bit hidden and expert momentum (blocks of 256)',
+                        lambda: sj.skewadam(LR, tiers=_coded(8, 8)), True),
+    'muon-coded-4bit-experts': (
+        'first MUON_CODED_TIERS (fp32 backbone, 8-bit hidden, 4-bit experts)',
+        lambda: _example('4bit-experts-stochastic'), True),
+    'muon-coded-4bit': ('first MUON_CODED_TIERS, 4-bit hidden and expert momentum (blocks of 64)',
                         lambda: sj.skewadam(LR, tiers=_coded(4, 4)), True),
-    'muon-coded-4bit32-experts': ('MUON_CODED_TIERS, experts 4-bit in blocks of 32',
+    'muon-coded-4bit32-experts': ('first MUON_CODED_TIERS, experts 4-bit in blocks of 32',
                                   lambda: _example('4bit32-experts-stochastic'), True),
-    'muon-coded-5bit-experts': ('MUON_CODED_TIERS, experts 5-bit in blocks of 256',
+    'muon-coded-5bit-experts': ('first MUON_CODED_TIERS, experts 5-bit in blocks of 256',
                                 lambda: _example('5bit-experts-stochastic'), True),
-    'muon-coded-6bit-experts': ('MUON_CODED_TIERS, experts 6-bit in blocks of 256',
+    'muon-coded-6bit-experts': ('first MUON_CODED_TIERS, experts 6-bit in blocks of 256',
                                 lambda: _example('6bit-experts-stochastic'), True),
     'muon-coded-6bit-experts-5bit-rest': (
-        'MUON_CODED_TIERS, experts 6-bit, backbone and hidden 5-bit (blocks of 256)',
+        'first MUON_CODED_TIERS, experts 6-bit, backbone and hidden 5-bit (blocks of 256)',
         lambda: _example('6bit-experts-5bit-rest'), True),
-    'muon-coded-6bit-8bit-backbone': (
-        'MUON_CODED_TIERS, experts and hidden 6-bit, backbone 8-bit (blocks of 256)',
-        lambda: _example('6bit-8bit-backbone'), True),
 }
 
 

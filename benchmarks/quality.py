@@ -112,27 +112,26 @@ REFINE_ABOVE = 1.9
 STEPS = 2000
 BASELINE = 'adamw'
 # Pairs (a, b) the report compares seed by seed beside the baseline, each at its best
-# lr: the shipped coded policy against Muon and against the same policy in fp32, and
-# the front's other points (bits and blocks, under and over 10% of AdamW's state)
-# against the fp32 form or the shipped codes.
-PAIRS = (('skewadam-muon-coded-4bit-experts-stochastic', 'muon'),
-         ('skewadam-muon-coded-4bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
-         ('skewadam-muon-expert-momentum', 'muon'),
+# lr: the shipped coded policy (`sj.MUON_CODED_TIERS`) against Muon, against the same
+# policy in fp32 and against the first shipped codes, and the front's other points
+# (bits, blocks and rounding, under and over 10% of AdamW's state) against the fp32 form
+# or the first shipped codes.
+SHIPPED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest'
+FIRST = 'skewadam-muon-coded-4bit-experts-stochastic'  # the example's CODED_4BIT_TIERS
+FP32 = 'skewadam-muon-expert-momentum'
+PAIRS = ((SHIPPED, 'muon'), (SHIPPED, FP32), (SHIPPED, FIRST),
+         (SHIPPED, 'skewadam-muon-coded-6bit-8bit-backbone'),
+         ('skewadam-muon-coded-6bit-8bit-backbone', FP32),
+         (FIRST, 'muon'), (FIRST, FP32), (FP32, 'muon'),
          ('skewadam-muon-orthogonal-experts', 'muon'),
-         ('skewadam-muon-coded-4bit32-experts-stochastic', 'muon'),
-         ('skewadam-muon-coded-4bit32-experts-stochastic', 'skewadam-muon-expert-momentum'),
-         ('skewadam-muon-coded-4bit32-experts-stochastic',
-          'skewadam-muon-coded-4bit-experts-stochastic'),
-         ('skewadam-muon-coded-5bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
-         ('skewadam-muon-coded-5bit-experts-stochastic',
-          'skewadam-muon-coded-4bit-experts-stochastic'),
-         ('skewadam-muon-coded-6bit-experts-5bit-rest', 'skewadam-muon-expert-momentum'),
-         ('skewadam-muon-coded-6bit-8bit-backbone', 'skewadam-muon-expert-momentum'),
-         ('skewadam-muon-coded-6bit-8bit-backbone', 'muon'),
-         ('skewadam-muon-coded-6bit-experts-stochastic', 'skewadam-muon-expert-momentum'),
-         ('skewadam-muon-coded-8bit', 'skewadam-muon-expert-momentum'),
-         ('skewadam-muon-coded-4bit-rank1-experts',
-          'skewadam-muon-coded-4bit-experts-stochastic'))
+         ('skewadam-muon-coded-4bit32-experts-stochastic', FP32),
+         ('skewadam-muon-coded-4bit32-experts-stochastic', FIRST),
+         ('skewadam-muon-coded-5bit-experts-stochastic', FP32),
+         ('skewadam-muon-coded-5bit-experts-stochastic', FIRST),
+         ('skewadam-muon-coded-6bit-experts-5bit-rest', FP32),
+         ('skewadam-muon-coded-6bit-experts-stochastic', FP32),
+         ('skewadam-muon-coded-8bit', FP32),
+         ('skewadam-muon-coded-4bit-rank1-experts', FIRST))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -873,7 +872,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 # The optimizers whose loss against lr `lr_{stem}.png` draws (those that ran).
 LR_PLOT = ('adamw', 'muon', 'skewadam-muon-orthogonal-experts', 'skewadam-muon-expert-momentum',
            'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-stochastic',
-           'skewadam-muon-coded-4bit32-experts-stochastic')
+           'skewadam-muon-coded-6bit-8bit-backbone-nearest')
 
 
 def plot_lr(rows: list[dict[str, Any]], path: Path, title: str) -> None:

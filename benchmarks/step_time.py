@@ -76,7 +76,7 @@ LABELS = {
     'skewadam': 'SkewAdam (published tiers)',
     'adampm': 'AdamPM (s = 8)',
     'skewadam-muon': 'SkewAdam (MUON_TIERS)',
-    'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS: 8-bit hidden, 4-bit experts)',
+    'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS: 6-bit experts and hidden, 8-bit backbone)',
     'skewadam-muon-expert-momentum': 'SkewAdam (MUON_CODED_TIERS with fp32 momentum)',
     'muon': 'optax.contrib.muon (experts per expert)',
 }

@@ -298,8 +298,14 @@ def pair_run(tmp_path_factory):
   return argv, out, ckpt
 
 
-def test_two_optimizers_from_one_init_end_with_one_table_and_one_plot(pair_run, capsys):
+def test_two_optimizers_from_one_init_end_with_one_table_and_one_plot(pair_run, capsys,
+                                                                      monkeypatch):
   argv, out, ckpt = pair_run
+  plotted = []
+  plot = train_lib.plot_losses
+  monkeypatch.setattr(train_lib, 'plot_losses',
+                      lambda rs, *a, **k: (plotted.append([r['label'] for r in rs]),
+                                           plot(rs, *a, **k))[1])
   results = train_lib.main(argv)
   names = [opt_lib.RECOMMENDED, opt_lib.BASELINE]
   assert list(results) == names
@@ -323,6 +329,9 @@ def test_two_optimizers_from_one_init_end_with_one_table_and_one_plot(pair_run, 
     assert cells[7].startswith(f'{r["memory"]["total_state_bytes"]:,} (')
     assert cells[8] == f'{r["router"]["dead_experts"][0]} of {r["router"]["n_experts"]}'
   assert rows[1].split(' | ')[3] == '+0.00%'  # AdamW against itself
+  # The plot's legend names each optimizer's state bytes, as the table does.
+  assert plotted == [[f'{n} (lr {r["optimizer"]["lr"]:g}, state '
+                      f'{r["memory"]["total_state_bytes"]:,} B)' for n, r in zip(names, runs)]]
   stem = f'{names[0]}-vs-{names[1]}'
   assert (out / f'{stem}.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   md = (out / f'{stem}.md').read_text()

@@ -32,32 +32,33 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-expert-momentum`: a diagnostic of the gap to Muon: `sj.MUON_TIERS` with
   the experts as Muon treats them (fp32 Nesterov momentum, b1 0.95, orthogonalised per
   expert), for an fp32 momentum of every expert matrix (above 1/10 of AdamW's state).
-* `skewadam-muon-coded-4bit-experts-stochastic`: `sj.MUON_CODED_TIERS`: the same expert
-  momentum, stored as 4-bit linear blockwise codes (blocks of 64, stochastic rounding),
-  and the hidden tier's momentum as 8-bit codes (blocks of 256).
+* `skewadam-muon-coded-6bit-8bit-backbone-nearest`: `sj.MUON_CODED_TIERS`: the same
+  expert momentum, stored as 6-bit linear blockwise codes (blocks of 256,
+  round-to-nearest), as is the hidden tier's momentum; the backbone's momentum as 8-bit
+  codes (blocks of 256).
+* `skewadam-muon-coded-6bit-8bit-backbone`: the same with stochastic rounding.
+* `skewadam-muon-coded-4bit-experts-stochastic`: `CODED_4BIT_TIERS`, the first shipped
+  `sj.MUON_CODED_TIERS`: the expert momentum as 4-bit codes (blocks of 64, stochastic
+  rounding), the hidden tier's as 8-bit codes (blocks of 256, round-to-nearest), the
+  backbone's in fp32. The names below vary it:
 * `skewadam-muon-coded-4bit-experts`: the same with round-to-nearest 4-bit codes.
 * `skewadam-muon-coded-8bit`: the same with 8-bit codes (blocks of 256) on both.
 * `skewadam-muon-coded-4bit`: the same with 4-bit codes (blocks of 64) on both.
 * `skewadam-muon-coded-4bit-experts-dynamic`: the same with the dynamic-exponent map
   for the experts' 4-bit codes (round-to-nearest).
-* `skewadam-muon-coded-4bit32-experts-stochastic`: `sj.MUON_CODED_TIERS` with blocks
-  of 32 instead of 64 for the experts' 4-bit codes (a scale per 32 elements).
+* `skewadam-muon-coded-4bit32-experts-stochastic`: blocks of 32 instead of 64 for the
+  experts' 4-bit codes (a scale per 32 elements).
 * `skewadam-muon-coded-4bit32-stochastic`: the same with stochastic rounding of the
   hidden tier's 8-bit codes too.
 * `skewadam-muon-coded-5bit-experts-stochastic`, `skewadam-muon-coded-6bit-experts-stochastic`:
-  `sj.MUON_CODED_TIERS` with the experts' codes at 5 or 6 bits (bit planes) in blocks
-  of 256, stochastic rounding.
-* `skewadam-muon-coded-6bit-experts-5bit-rest`: `sj.MUON_CODED_TIERS` with the experts'
-  codes at 6 bits and the backbone's and hidden tier's momentum at 5 bits (blocks of
-  256, stochastic rounding).
-* `skewadam-muon-coded-6bit-8bit-backbone`: `sj.MUON_CODED_TIERS` with the experts' and
-  the hidden tier's momentum in 6-bit codes and the backbone's in 8-bit codes (blocks
-  of 256, stochastic rounding); `-nearest`: the same with round-to-nearest codes.
-* `skewadam-muon-coded-4bit-rank1-experts`: `sj.MUON_CODED_TIERS` with the experts'
-  4-bit codes normalised by row and column maxima (`Rank1Codes`, a codec written
-  against `sj.StateCodec` outside the library).
-* `skewadam-muon-coded-4bit-experts-fp32-hidden`: `sj.MUON_CODED_TIERS` with the hidden
-  tier's momentum in fp32 (a diagnostic: what the hidden tier's codes cost).
+  the experts' codes at 5 or 6 bits (bit planes) in blocks of 256, stochastic rounding.
+* `skewadam-muon-coded-6bit-experts-5bit-rest`: the experts' codes at 6 bits and the
+  backbone's and hidden tier's momentum at 5 bits (blocks of 256, stochastic rounding).
+* `skewadam-muon-coded-4bit-rank1-experts`: the experts' 4-bit codes normalised by row
+  and column maxima (`Rank1Codes`, a codec written against `sj.StateCodec` outside the
+  library).
+* `skewadam-muon-coded-4bit-experts-fp32-hidden`: the hidden tier's momentum in fp32 (a
+  diagnostic: what the hidden tier's codes cost).
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
   (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
@@ -150,7 +151,7 @@ class Rank1Codes(sj.StateCodec):
 ADAM_LR = 3e-4
 # The policy `train.py` trains by default, beside `BASELINE`, each at its `SWEPT_LR`.
 # This is the one place that names it: the README's first command and its table follow.
-RECOMMENDED = 'skewadam-muon-coded-4bit-experts-stochastic'  # sj.MUON_CODED_TIERS
+RECOMMENDED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest'  # sj.MUON_CODED_TIERS
 BASELINE = 'adamw'
 OPTIMIZERS = (
     'skewadam', 'adampm', 'adampm-input-axis', 'adamw', 'adafactor', 'adafactor-momentum',
@@ -205,6 +206,18 @@ def default_lr(name: str) -> float:
   return SWEPT_LR.get(name, DEFAULT_LR[name])
 
 
+# The first shipped `sj.MUON_CODED_TIERS`, which the sweep's earlier coded policies
+# vary: the backbone's momentum in fp32, the hidden tier's in 8-bit codes (blocks of 256,
+# round-to-nearest), the experts' in 4-bit codes (blocks of 64, stochastic rounding);
+# 8.5% of AdamW's state at 6.78B.
+CODED_4BIT_TIERS = dict(
+    sj.MUON_CODED_TIERS, backbone=sj.PUBLISHED_TIERS['backbone'],
+    hidden=sj.MUON_CODED_TIERS['hidden'].replace(
+        mu_codec=sj.Blockwise(8, 256, 'linear', fit='nearest')),
+    experts=sj.MUON_CODED_TIERS['experts'].replace(
+        mu_codec=sj.Blockwise(4, 64, 'linear', fit='nearest', rounding='stochastic')))
+
+
 def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   """The tier policy of `skewadam` or one of its ablations."""
   scaled = re.fullmatch(r'(.+)-adam([0-9.]+)', name)
@@ -233,32 +246,23 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   if name == 'skewadam-muon-expert-momentum':  # the experts as Muon treats them
     return dict(sj.MUON_TIERS, experts=sj.MUON_TIERS['hidden'].replace(
         second_moment=sj.Orthogonal(fallback=sj.Factored())))
+  if name == 'skewadam-muon-coded-6bit-8bit-backbone-nearest':  # `sj.MUON_CODED_TIERS`
+    return dict(sj.MUON_CODED_TIERS)
+  if name == 'skewadam-muon-coded-6bit-8bit-backbone':  # the same, stochastic rounding
+    return {k: t if t.mu_codec is None else t.replace(
+        mu_codec=dataclasses.replace(t.mu_codec, rounding='stochastic'))
+            for k, t in sj.MUON_CODED_TIERS.items()}
   if name == 'skewadam-muon-coded-6bit-experts-5bit-rest':
     # Under a tenth of AdamW's state with the experts at 6 bits: every other momentum
     # (the backbone's: embeddings, norms; the hidden tier's) in 5-bit codes.
     five = sj.Blockwise(5, 256, 'linear', fit='nearest', rounding='stochastic')
-    coded = sj.MUON_CODED_TIERS
-    return dict(coded, backbone=coded['backbone'].replace(mu_codec=five),
-                hidden=coded['hidden'].replace(mu_codec=five),
-                experts=coded['experts'].replace(mu_codec=dataclasses.replace(five, bits=6)))
-  if name in ('skewadam-muon-coded-6bit-8bit-backbone',
-              'skewadam-muon-coded-6bit-8bit-backbone-nearest'):
-    # The most bits the orthogonalised momenta (experts, hidden) can have under a tenth
-    # of AdamW's state on both the sweep's model and 6.78B, with the backbone's Adam
-    # momentum (embeddings, norms; fp32 in the shipped policy) at 8 bits. Stochastic
-    # rounding re-draws every code's error at each step, and the momentum sums them
-    # (variance ~ step^2 / 6 / (1 - b1^2), about 10 steps' worth at b1 = 0.95);
-    # round-to-nearest keeps each error within half a step but drops increments below
-    # it, which at 6 bits are rare.
-    rounding = 'nearest' if name.endswith('-nearest') else 'stochastic'
-    six = sj.Blockwise(6, 256, 'linear', fit='nearest', rounding=rounding)
-    coded = sj.MUON_CODED_TIERS
-    return dict(coded, backbone=coded['backbone'].replace(
-        mu_codec=dataclasses.replace(six, bits=8)), hidden=coded['hidden'].replace(
-            mu_codec=six), experts=coded['experts'].replace(mu_codec=six))
+    return dict(CODED_4BIT_TIERS, backbone=CODED_4BIT_TIERS['backbone'].replace(
+        mu_codec=five), hidden=CODED_4BIT_TIERS['hidden'].replace(mu_codec=five),
+                experts=CODED_4BIT_TIERS['experts'].replace(
+                    mu_codec=dataclasses.replace(five, bits=6)))
   if name.startswith('skewadam-muon-coded'):
-    # The shipped `sj.MUON_CODED_TIERS` is `-4bit-experts-stochastic`; the others change
-    # the codes of the hidden tier's and the experts' momentum.
+    # `-4bit-experts-stochastic` is `CODED_4BIT_TIERS`; the others change the codes of
+    # its hidden tier's and experts' momentum.
     nearest8 = sj.Blockwise(8, 256, 'linear', fit='nearest')
     nearest4 = sj.Blockwise(4, 64, 'linear', fit='nearest')
     codecs = {
@@ -282,9 +286,8 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
             dataclasses.replace(nearest8, rounding='stochastic'),
             dataclasses.replace(nearest4, block_size=32, rounding='stochastic')),
     }[name]
-    coded = sj.MUON_CODED_TIERS
-    return dict(coded, **{k: coded[k].replace(mu_codec=c)
-                          for k, c in zip(('hidden', 'experts'), codecs)})
+    return dict(CODED_4BIT_TIERS, **{k: CODED_4BIT_TIERS[k].replace(mu_codec=c)
+                                     for k, c in zip(('hidden', 'experts'), codecs)})
   # The shipped `sj.ADAM_EPS_TIERS`: additive eps on every tier and a router momentum.
   router_momentum = dict(sj.ADAM_EPS_TIERS)
   if name == 'skewadam-adam-eps-router-momentum':

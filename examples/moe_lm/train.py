@@ -754,10 +754,12 @@ def write_comparison(results: list[dict[str, Any]], out: str | os.PathLike[str]
     paths[f'json:{name}'].write_text(json.dumps(r, indent=1, default=str))
   stem = comparison_stem(results)
   paths['png'], paths['md'] = out / f'{stem}.png', out / f'{stem}.md'
-  labelled = [dict(r, label=f'{r["optimizer"]["optimizer"]} (lr {r["optimizer"]["lr"]:g})')
-              for r in results]
+  names = [f'{r["optimizer"]["optimizer"]} (lr {r["optimizer"]["lr"]:g})' for r in results]
+  # The legend names each optimizer's state bytes: the comparison is quality per byte.
+  labelled = [dict(r, label=f'{r["optimizer"]["optimizer"]} (lr {r["optimizer"]["lr"]:g}, '
+                            f'state {r["memory"]["total_state_bytes"]:,} B)') for r in results]
   plot_losses(labelled, paths['png'],
-              title=f'{" vs ".join(r["label"] for r in labelled)}\n'
+              title=f'{" vs ".join(names)}\n'
                     f'on {results[0]["config"]["preset"]}: same init, same batches')
   paths['md'].write_text('\n\n'.join([comparison_report(results), *map(report, results)])
                          + '\n')

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -90,8 +91,9 @@ class StateCodec(abc.ABC):
   name: str = 'codec'
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
-               ) -> StateCodec:
-    """The codec bound to a leaf of `shape` with `batch_axes` (sorted, non-negative)."""
+               ) -> Optional[StateCodec]:
+    """The codec bound to a leaf of `shape` with `batch_axes` (sorted, non-negative), or
+    None: that leaf keeps its momentum as a float32 array."""
     del shape, batch_axes
     return self
 
@@ -150,6 +152,10 @@ class Blockwise(StateCodec):
       only: `floor(Q x / s + u)`, `u ~ U[0, 1)`, an unbiased rounding, so that a small
       `(1 - b1) g` is not rounded away step after step; the key is a function of the
       step count and the leaf's path, the numbers a hash of each element's position).
+    min_size: leaves with fewer elements keep a float32 momentum (`for_leaf` returns
+      None), as bitsandbytes' `min_8bit_size`: the codes of a norm's gain or a bias
+      save a few bytes and cost the step kernels compiled for its shape alone. Default
+      0: every leaf is coded.
     shape: the bound leaf's shape (`for_leaf` sets it), or None.
     batch_axes: the bound leaf's batch axes (`for_leaf` sets them), or None (default).
 
@@ -171,6 +177,7 @@ class Blockwise(StateCodec):
   mapping: str = 'linear'
   fit: str = 'exact'
   rounding: str = 'nearest'
+  min_size: int = 0
   shape: Optional[tuple[int, ...]] = None
   batch_axes: Optional[tuple[int, ...]] = None
 
@@ -188,6 +195,10 @@ class Blockwise(StateCodec):
     if self.rounding == 'stochastic' and self.mapping != 'linear':
       raise ValueError("`rounding='stochastic'` of sj.Blockwise needs `mapping='linear'`, "
                        f'got mapping={self.mapping!r}.')
+    if not (isinstance(self.min_size, int) and not isinstance(self.min_size, bool)
+            and self.min_size >= 0):
+      raise ValueError('`min_size` of sj.Blockwise must be a non-negative int (leaves with '
+                       f'fewer elements keep a float32 momentum), got {self.min_size!r}.')
     if self.shape is not None:
       object.__setattr__(self, 'shape', tuple(int(n) for n in self.shape))
     if self.batch_axes is not None:
@@ -198,9 +209,11 @@ class Blockwise(StateCodec):
     return f'{self.bits}-bit {self.mapping}/{self.block_size}'
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
-               ) -> Blockwise:
+               ) -> Optional[Blockwise]:
     batch_axes = _base.Layout.of(len(shape), batch_axes).batch
     shape = tuple(shape)
+    if math.prod(shape) < self.min_size:
+      return None
     if (shape, batch_axes) == (self.shape, self.batch_axes):
       return self
     return dataclasses.replace(self, shape=shape, batch_axes=batch_axes)
@@ -208,7 +221,11 @@ class Blockwise(StateCodec):
   # The bound leaf's geometry.
 
   def _bound(self, shape: tuple[int, ...], path: str) -> Blockwise:
-    return self if self.shape == tuple(shape) else self.for_leaf(shape, self.batch_axes)
+    if self.shape == tuple(shape):
+      return self
+    # Called on a codec used directly (not through a tier): `min_size` does not apply.
+    return dataclasses.replace(self, shape=tuple(shape), batch_axes=_base.Layout.of(
+        len(shape), self.batch_axes).batch)
 
   def _extents(self, path: str = 'leaf') -> tuple[int, ...]:
     shape = self.shape if self.shape is not None else ()

@@ -109,8 +109,9 @@ def skewadam(
       Ours: `ADAM_ROUTER_TIERS` (an Adam router, which keeps every expert in use),
       `ADAM_EPS_TIERS` (additive eps everywhere, for AdamW's learning rate),
       `MUON_TIERS` (Muon's orthogonalised momentum on the hidden matrices) and
-      `MUON_CODED_TIERS` (the same with Muon's per-expert momentum, both momenta in
-      8-bit blockwise codes: `Tier(mu_codec=sj.Blockwise(...))`).
+      `MUON_CODED_TIERS` (the same with Muon's per-expert momentum; the experts' and
+      hidden matrices' momenta in 6-bit blockwise codes, the backbone's in 8-bit:
+      `Tier(mu_codec=sj.Blockwise(...))`).
     param_labels: a pytree of tier names matching the params, or a function of the
       params returning one; default `moe_param_labels` (`hidden_param_labels` when
       `tiers` has a `'hidden'` tier, as `MUON_TIERS` does). A function is called on the

@@ -8,7 +8,8 @@ own learning rate (the published floor wants a larger one) for 2% more state.
 `ADAM_ROUTER_TIERS`: the published backbone and experts with that router alone, at the
 published tiers' learning rate. `MUON_TIERS`: Muon's orthogonalised momentum on the
 hidden matrices; `MUON_CODED_TIERS`: the same with Muon's per-expert Nesterov momentum on
-the experts, stored as 4-bit blockwise codes, and the hidden tier's as 8-bit codes.
+the experts, stored as 6-bit blockwise codes, as is the hidden tier's, and the backbone's
+momentum as 8-bit codes.
 """
 
 from __future__ import annotations
@@ -76,30 +77,32 @@ MUON_TIERS: Mapping[str, Tier] = {
 # orthogonalise their own Nesterov momentum (b1 = 0.95), each expert on its own, as Muon
 # does, instead of their gradient; the 5-seed sweep put that (with fp32 momentum) ahead
 # of Muon, at half of AdamW's state, because the expert bank is most of an MoE's
-# parameters. So that momentum is stored as blockwise 4-bit linear absmax codes in
-# blocks of 64 (0.5625 B per parameter instead of 4), rounded stochastically: with
-# b1 = 0.95 a step adds 0.05 g, often less than half of a 4-bit level (s / 14), which
-# round-to-nearest drops step after step; unbiased rounding keeps it on average (in the
-# sweep, seed 0: 1.2288 against 1.2604 with round-to-nearest, 1.2410 with the dynamic
-# map, 1.2136 with fp32 momentum). The hidden tier's momentum (a small share of the
-# parameters) is 8-bit codes in blocks of 256 (1.016 B), round-to-nearest. The codes
-# cost 1.7% of final loss against fp32 momentum (5 seeds, both at 1e-2); blocks of 32
-# for the experts (9.2% of AdamW's state) measured 0.3% better, within the seeds'
-# spread, so blocks of 64 stay (docs/policies.md).
-# `fit='nearest'`: a width that 256 or 64 does not divide (DeepSeek-MoE's 10944, 1408)
-# gets the nearest block size that fits instead of an error. On the published 6.78B
-# configuration: 8.5% of AdamW's state (benchmarks/memory.py). Every tier runs at the
+# parameters. Under a tenth of AdamW's state that momentum gets at most about 6 bits per
+# parameter, so it is stored as 6-bit linear absmax codes in blocks of 256 (0.766 B per
+# parameter instead of 4), as is the hidden tier's; the backbone's Adam momentum
+# (embeddings, norms) as 8-bit codes in blocks of 256. Every code is rounded to nearest:
+# stochastic rounding re-draws each code's error at every step and the momentum sums
+# them (a variance of about 10 steps' errors at b1 = 0.95), where round-to-nearest keeps
+# each error within half a level; it drops a step's change below half a level (s / 62 at
+# 6 bits), which 0.05 g rarely is. Measured in the quality sweep (2000 steps, 5 seeds, at
+# 1e-2 as the fp32 form; docs/policies.md): within the seeds' spread of the same policy
+# with fp32 momentum (+0.3% ± 0.5%), 4.0% below Muon's loss, 1.4% below the first 4-bit
+# expert codes (stochastic, blocks of 64; 8.5% of AdamW's state), and 1.4% below the
+# same widths rounded stochastically (2 seeds).
+# `fit='nearest'`: a width that 256 does not divide (DeepSeek-MoE's 10944, 1408) gets the
+# nearest block size that fits instead of an error. On the published 6.78B
+# configuration: 9.7% of AdamW's state (benchmarks/memory.py). Every tier runs at the
 # one lr (`lr_scale=1`): in the sweep (2000 steps, 3e-2) scaling the Adam-like tiers
 # (embeddings, norms, router) by 0.3 or 0.1 ended worse (1.2815, 1.3654 against 1.2604).
 MUON_CODED_TIERS: Mapping[str, Tier] = {
-    'backbone': PUBLISHED_TIERS['backbone'],
-    'hidden': MUON_TIERS['hidden'].replace(
+    'backbone': PUBLISHED_TIERS['backbone'].replace(
         mu_codec=_codec.Blockwise(8, 256, 'linear', fit='nearest')),
+    'hidden': MUON_TIERS['hidden'].replace(
+        mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest')),
     'experts': Tier(momentum=True, nesterov=True, b1=0.95,
                     second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
                     clip_threshold=None,
-                    mu_codec=_codec.Blockwise(4, 64, 'linear', fit='nearest',
-                                              rounding='stochastic')),
+                    mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest')),
     'router': ADAM_ROUTER_TIERS['router'],
 }
 

@@ -57,7 +57,8 @@ def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
 def leaf_codec(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
                path: str = 'leaf') -> Optional[_codec.StateCodec]:
   """The codec a leaf of `shape` with `batch_axes` stores its momentum with (None: an
-  array of `tier.mu_dtype`)."""
+  array of `tier.mu_dtype`, also where the codec leaves the leaf uncoded, e.g. under
+  `Blockwise(min_size=...)`)."""
   if tier.mu_codec is None:
     return None
   shape = tuple(shape)
@@ -146,14 +147,21 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
   shape = tuple(g.shape)
   if param is not None:
     _checks.check_grad_shape(path, shape, _tree.abstract_leaf(param).shape, 'the parameter')
-  if tier.momentum and tier.mu_codec is None:
-    _checks.check_grad_shape(path, shape, row['mu'].shape, 'its momentum')
-  elif tier.momentum:  # the coded momentum a parameter of the gradient's shape keeps
-    try:
-      expected = _abstract_coded(leaf_codec(shape, tier, batch_axes, path), shape, path)
+  codec = None
+  if tier.momentum and tier.mu_codec is not None:
+    try:  # the coded momentum a parameter of the gradient's shape keeps, if coded
+      codec = leaf_codec(shape, tier, batch_axes, path)
+      expected = None if codec is None else _abstract_coded(codec, shape, path)
     except (ValueError, TypeError) as e:
       _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, None, e)
       raise
+  if tier.momentum and codec is None:
+    if hasattr(row['mu'], 'shape'):
+      _checks.check_grad_shape(path, shape, row['mu'].shape, 'its momentum')
+    else:  # e.g. codes where this codec keeps a small leaf in float32
+      _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']},
+                                    {'mu': jax.ShapeDtypeStruct(shape, tier.mu_dtype)})
+  elif tier.momentum:
     row = {**row, 'mu': as_stored(row['mu'], expected)}
     _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, {'mu': expected})
   present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
@@ -164,7 +172,7 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
     _checks.check_grad_fits_stats(path, shape, present, None, e)
     raise
   _checks.check_grad_fits_stats(path, shape, present, expected)
-  if tier.mu_codec is not None and tier.momentum:
+  if codec is not None:
     present = {'mu': row['mu'], **present}
   return estimator, present
 

@@ -648,7 +648,8 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
   lines += [f'SkewAdam policies: `skewadam` is `sj.PUBLISHED_TIERS`, '
             '`skewadam-adam-eps-router-momentum` is `sj.ADAM_EPS_TIERS`, '
             '`skewadam-router-adam-eps-momentum` is `sj.ADAM_ROUTER_TIERS`, '
-            '`skewadam-muon-orthogonal-experts` is `sj.MUON_TIERS`; every name '
+            '`skewadam-muon-orthogonal-experts` is `sj.MUON_TIERS`, '
+            f'`{SHIPPED}` is `sj.MUON_CODED_TIERS` (`{FIRST}` the first one); every name '
             f'({names}) is defined in examples/moe_lm/optimizers.py.', '']
   lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
   body = []

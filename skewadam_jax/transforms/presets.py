@@ -87,8 +87,8 @@ MUON_TIERS: Mapping[str, Tier] = {
 # 6 bits), which 0.05 g rarely is. Measured in the quality sweep (2000 steps, 5 seeds, at
 # 1e-2 as the fp32 form; docs/policies.md): within the seeds' spread of the same policy
 # with fp32 momentum (+0.3% ± 0.5%), 4.0% below Muon's loss, 1.4% below the first 4-bit
-# expert codes (stochastic, blocks of 64; 8.5% of AdamW's state), and 1.4% below the
-# same widths rounded stochastically (2 seeds).
+# expert codes (stochastic, blocks of 64; 8.5% of AdamW's state), and 1.2% below the
+# same widths rounded stochastically (4 seeds).
 # `fit='nearest'`: a width that 256 does not divide (DeepSeek-MoE's 10944, 1408) gets the
 # nearest block size that fits instead of an error. On the published 6.78B
 # configuration: 9.7% of AdamW's state (benchmarks/memory.py). Every tier runs at the

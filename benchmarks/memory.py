@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import _common
 from _common import GIB, RESULTS
@@ -156,20 +156,6 @@ def _skewadam_variant(**expert_or_backbone: sj.Tier) -> optax.GradientTransforma
   return sj.skewadam(LR, tiers=tiers)
 
 
-def _codes(bits: Optional[int]) -> Optional[sj.Blockwise]:
-  return None if bits is None else sj.Blockwise(bits, {8: 256, 4: 64}[bits], 'linear',
-                                                fit='nearest')
-
-
-def _coded(hidden_bits: Optional[int], expert_bits: Optional[int]) -> dict[str, sj.Tier]:
-  """The first `MUON_CODED_TIERS` (the example's `CODED_4BIT_TIERS`: fp32 backbone
-  momentum) with the hidden and expert momentum in other codes (None: fp32)."""
-  tiers = dict(opt_lib.CODED_4BIT_TIERS)
-  tiers['hidden'] = tiers['hidden'].replace(mu_codec=_codes(hidden_bits))
-  tiers['experts'] = tiers['experts'].replace(mu_codec=_codes(expert_bits))
-  return tiers
-
-
 def _example(variant: str) -> optax.GradientTransformation:
   """SkewAdam with the quality sweep's coded policy `skewadam-muon-coded-<variant>`
   (examples/moe_lm/optimizers.py), so that both count the same tiers."""
@@ -206,12 +192,12 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
     'muon-coded': ('MUON_CODED_TIERS (6-bit experts and hidden, 8-bit backbone)',
                    lambda: sj.skewadam(LR, tiers=sj.MUON_CODED_TIERS), True),
     'muon-coded-8bit': ('first MUON_CODED_TIERS, 8-bit hidden and expert momentum (blocks of 256)',
-                        lambda: sj.skewadam(LR, tiers=_coded(8, 8)), True),
+                        lambda: _example('8bit'), True),
     'muon-coded-4bit-experts': (
         'first MUON_CODED_TIERS (fp32 backbone, 8-bit hidden, 4-bit experts)',
         lambda: _example('4bit-experts-stochastic'), True),
     'muon-coded-4bit': ('first MUON_CODED_TIERS, 4-bit hidden and expert momentum (blocks of 64)',
-                        lambda: sj.skewadam(LR, tiers=_coded(4, 4)), True),
+                        lambda: _example('4bit'), True),
     'muon-coded-4bit32-experts': ('first MUON_CODED_TIERS, experts 4-bit in blocks of 32',
                                   lambda: _example('4bit32-experts-stochastic'), True),
     'muon-coded-5bit-experts': ('first MUON_CODED_TIERS, experts 5-bit in blocks of 256',

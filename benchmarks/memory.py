@@ -189,8 +189,11 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
         'MUON_CODED_TIERS with fp32 momentum (no codes)',
         lambda: sj.skewadam(LR, tiers={k: t.replace(mu_codec=None)
                                        for k, t in sj.MUON_CODED_TIERS.items()}), True),
-    'muon-coded': ('MUON_CODED_TIERS (6-bit experts and hidden, 8-bit backbone)',
+    'muon-coded': ('MUON_CODED_TIERS (6-bit experts and hidden, 8-bit backbone, '
+                   'fp32 under 4096 elements)',
                    lambda: sj.skewadam(LR, tiers=sj.MUON_CODED_TIERS), True),
+    'muon-coded-all': ('MUON_CODED_TIERS with every leaf coded (the norms too)',
+                       lambda: _example('6bit-8bit-backbone-nearest'), True),
     'muon-coded-8bit': ('first MUON_CODED_TIERS, 8-bit hidden and expert momentum (blocks of 256)',
                         lambda: _example('8bit'), True),
     'muon-coded-4bit-experts': (

@@ -113,14 +113,16 @@ STEPS = 2000
 BASELINE = 'adamw'
 # Pairs (a, b) the report compares seed by seed beside the baseline, each at its best
 # lr: the shipped coded policy (`sj.MUON_CODED_TIERS`) against Muon, against the same
-# policy in fp32 and against the first shipped codes, and the front's other points
-# (bits, blocks and rounding, under and over 10% of AdamW's state) against the fp32 form
-# or the first shipped codes.
-SHIPPED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest'
+# policy in fp32, with every leaf coded and against the first shipped codes, and the
+# front's other points (bits, blocks and rounding, under and over 10% of AdamW's state)
+# against the fp32 form or the first shipped codes.
+SHIPPED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096'
+ALL_CODED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest'  # the norms coded too
 FIRST = 'skewadam-muon-coded-4bit-experts-stochastic'  # the example's CODED_4BIT_TIERS
 FP32 = 'skewadam-muon-expert-momentum'
-PAIRS = ((SHIPPED, 'muon'), (SHIPPED, FP32), (SHIPPED, FIRST),
-         (SHIPPED, 'skewadam-muon-coded-6bit-8bit-backbone'),
+PAIRS = ((SHIPPED, 'muon'), (SHIPPED, FP32), (SHIPPED, ALL_CODED), (SHIPPED, FIRST),
+         (ALL_CODED, 'muon'), (ALL_CODED, FP32), (ALL_CODED, FIRST),
+         (ALL_CODED, 'skewadam-muon-coded-6bit-8bit-backbone'),
          ('skewadam-muon-coded-6bit-8bit-backbone', FP32),
          (FIRST, 'muon'), (FIRST, FP32), (FP32, 'muon'),
          ('skewadam-muon-orthogonal-experts', 'muon'),
@@ -649,7 +651,8 @@ def report_markdown(rows: list[dict[str, Any]], records: list[dict[str, Any]],
             '`skewadam-adam-eps-router-momentum` is `sj.ADAM_EPS_TIERS`, '
             '`skewadam-router-adam-eps-momentum` is `sj.ADAM_ROUTER_TIERS`, '
             '`skewadam-muon-orthogonal-experts` is `sj.MUON_TIERS`, '
-            f'`{SHIPPED}` is `sj.MUON_CODED_TIERS` (`{FIRST}` the first one); every name '
+            f'`{SHIPPED}` is `sj.MUON_CODED_TIERS` (`{ALL_CODED}` the same with every leaf '
+            f'coded, `{FIRST}` the first one); every name '
             f'({names}) is defined in examples/moe_lm/optimizers.py.', '']
   lines += ['### Final validation loss at every lr (mean ± std over seeds)', '']
   body = []
@@ -873,7 +876,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 # The optimizers whose loss against lr `lr_{stem}.png` draws (those that ran).
 LR_PLOT = ('adamw', 'muon', 'skewadam-muon-orthogonal-experts', 'skewadam-muon-expert-momentum',
            'skewadam-muon-coded-4bit-experts', 'skewadam-muon-coded-4bit-experts-stochastic',
-           'skewadam-muon-coded-6bit-8bit-backbone-nearest')
+           ALL_CODED, SHIPPED)
 
 
 def plot_lr(rows: list[dict[str, Any]], path: Path, title: str) -> None:

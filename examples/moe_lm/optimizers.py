@@ -32,11 +32,13 @@ warmup + cosine learning-rate schedule. Names:
 * `skewadam-muon-expert-momentum`: a diagnostic of the gap to Muon: `sj.MUON_TIERS` with
   the experts as Muon treats them (fp32 Nesterov momentum, b1 0.95, orthogonalised per
   expert), for an fp32 momentum of every expert matrix (above 1/10 of AdamW's state).
-* `skewadam-muon-coded-6bit-8bit-backbone-nearest`: `sj.MUON_CODED_TIERS`: the same
-  expert momentum, stored as 6-bit linear blockwise codes (blocks of 256,
+* `skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096`: `sj.MUON_CODED_TIERS`: the
+  same expert momentum, stored as 6-bit linear blockwise codes (blocks of 256,
   round-to-nearest), as is the hidden tier's momentum; the backbone's momentum as 8-bit
-  codes (blocks of 256).
-* `skewadam-muon-coded-6bit-8bit-backbone`: the same with stochastic rounding.
+  codes (blocks of 256); leaves under 4096 elements (norms, biases) keep an fp32 momentum.
+* `skewadam-muon-coded-6bit-8bit-backbone-nearest`: the same with every leaf coded (the
+  previous `sj.MUON_CODED_TIERS`).
+* `skewadam-muon-coded-6bit-8bit-backbone`: that with stochastic rounding.
 * `skewadam-muon-coded-4bit-experts-stochastic`: `CODED_4BIT_TIERS`, the first shipped
   `sj.MUON_CODED_TIERS`: the expert momentum as 4-bit codes (blocks of 64, stochastic
   rounding), the hidden tier's as 8-bit codes (blocks of 256, round-to-nearest), the
@@ -151,7 +153,7 @@ class Rank1Codes(sj.StateCodec):
 ADAM_LR = 3e-4
 # The policy `train.py` trains by default, beside `BASELINE`, each at its `SWEPT_LR`.
 # This is the one place that names it: the README's first command and its table follow.
-RECOMMENDED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest'  # sj.MUON_CODED_TIERS
+RECOMMENDED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096'  # sj.MUON_CODED_TIERS
 BASELINE = 'adamw'
 OPTIMIZERS = (
     'skewadam', 'adampm', 'adampm-input-axis', 'adamw', 'adafactor', 'adafactor-momentum',
@@ -170,6 +172,7 @@ OPTIMIZERS = (
     'skewadam-muon-coded-5bit-experts-stochastic', 'skewadam-muon-coded-6bit-experts-stochastic',
     'skewadam-muon-coded-4bit-rank1-experts', 'skewadam-muon-coded-6bit-experts-5bit-rest',
     'skewadam-muon-coded-6bit-8bit-backbone', 'skewadam-muon-coded-6bit-8bit-backbone-nearest',
+    'skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096',
 )
 # The Adam-like tiers (embeddings, norms, router) at a fraction of the one lr: the name
 # of a Muon policy with `-adam<scale>` appended sets `lr_scale=<scale>` on its
@@ -246,11 +249,15 @@ def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   if name == 'skewadam-muon-expert-momentum':  # the experts as Muon treats them
     return dict(sj.MUON_TIERS, experts=sj.MUON_TIERS['hidden'].replace(
         second_moment=sj.Orthogonal(fallback=sj.Factored())))
-  if name == 'skewadam-muon-coded-6bit-8bit-backbone-nearest':  # `sj.MUON_CODED_TIERS`
+  if name == 'skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096':  # the shipped one
     return dict(sj.MUON_CODED_TIERS)
+  if name == 'skewadam-muon-coded-6bit-8bit-backbone-nearest':  # every leaf coded
+    return {k: t if t.mu_codec is None else t.replace(
+        mu_codec=dataclasses.replace(t.mu_codec, min_size=0))
+            for k, t in sj.MUON_CODED_TIERS.items()}
   if name == 'skewadam-muon-coded-6bit-8bit-backbone':  # the same, stochastic rounding
     return {k: t if t.mu_codec is None else t.replace(
-        mu_codec=dataclasses.replace(t.mu_codec, rounding='stochastic'))
+        mu_codec=dataclasses.replace(t.mu_codec, min_size=0, rounding='stochastic'))
             for k, t in sj.MUON_CODED_TIERS.items()}
   if name == 'skewadam-muon-coded-6bit-experts-5bit-rest':
     # Under a tenth of AdamW's state with the experts at 6 bits: every other momentum

@@ -201,6 +201,11 @@ def _split(x: jax.Array, axis: int, size: int) -> jax.Array:
                  split)
 
 
+def _prefix(x: jax.Array, n: int, axis: int) -> jax.Array:
+  """The first `n` elements of `x` along `axis` (no slice op when that is all of it)."""
+  return x if x.shape[axis] == n else jax.lax.slice_in_dim(x, 0, n, 1, axis)
+
+
 def pack_nibbles(codes: jax.Array, axis: int) -> jax.Array:
   """4-bit codes (uint8 < 16) packed two per byte along `axis`: element `2i` in the low
   nibble, `2i + 1` in the high one; an odd length gets a zero high nibble last."""
@@ -215,7 +220,7 @@ def unpack_nibbles(packed: jax.Array, axis: int, n: int) -> jax.Array:
   spec = explicit_spec(packed)
   pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
   shape = packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:]
-  return jax.lax.slice_in_dim(reshape(pairs, shape, spec), 0, n, 1, axis)
+  return _prefix(reshape(pairs, shape, spec), n, axis)
 
 
 PLANE_GROUP = 8  # codes per group of the bit-plane layout: one byte per bit of a code
@@ -228,8 +233,9 @@ def _gather_bits(x: jax.Array, axis: int, out: int) -> jax.Array:
   and `out` = 8."""
   m = x.shape[axis]
   rest = (1,) * (x.ndim - axis - 1)
-  bit = jnp.arange(out, dtype=jnp.uint8).reshape((1, out) + rest)
-  place = jnp.arange(m, dtype=jnp.uint8).reshape((m, 1) + rest)
+  # NumPy constants: nothing to trace per call.
+  bit = np.arange(out, dtype=np.uint8).reshape((1, out) + rest)
+  place = np.arange(m, dtype=np.uint8).reshape((m, 1) + rest)
   # One broadcast and one sum over the m bytes (their bits never overlap, so the sum is
   # their bitwise or), not a sum per output byte: a step decodes in several fused
   # kernels, each of which would repeat `out` reductions.
@@ -253,7 +259,7 @@ def unpack_planes(packed: jax.Array, axis: int, n: int, bits: int) -> jax.Array:
   spec = explicit_spec(packed)
   codes = _gather_bits(_split(packed, axis, bits), axis + 1, PLANE_GROUP)
   shape = codes.shape[:axis] + (codes.shape[axis] * PLANE_GROUP,) + codes.shape[axis + 2:]
-  return jax.lax.slice_in_dim(reshape(codes, shape, spec), 0, n, 1, axis)
+  return _prefix(reshape(codes, shape, spec), n, axis)
 
 
 def pack_codes(codes: jax.Array, axis: Optional[int], bits: int) -> jax.Array:

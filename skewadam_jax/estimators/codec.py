@@ -128,6 +128,14 @@ class StateCodec(abc.ABC):
     return jax.tree.map(lambda _: PartitionSpec(), stored)
 
 
+def _inherits_sharding(param: Any) -> bool:
+  """Whether `init` builds the state from `param`, so that it inherits its placement: a
+  concrete array (on its devices) or a type sharded under an Explicit mesh. A traced
+  parameter without a sharding of its own (under `jax.eval_shape`, or `jit` without
+  Explicit axes) gets the same arrays built directly, which traces fewer operations."""
+  return not isinstance(param, jax.core.Tracer) or _blocks.explicit_spec(param) is not None
+
+
 # ------------------------------------------------------------------------------ the maps
 
 
@@ -252,6 +260,20 @@ class Blockwise(StateCodec):
     layout = _base.Layout.of(len(self.shape), self.batch_axes)
     return layout.matrix[-1] if layout.matrix else None
 
+  def _packed_shape(self) -> tuple[int, ...]:
+    """The stored codes' shape (module doc): the packed axis holds `bits / 8` bytes
+    per code, rounded up to whole bytes (4 bits) or whole groups of 8 (bit planes)."""
+    axis = self._pack_axis()
+    if axis is None or self.bits == 8:
+      return tuple(self.shape)
+    n = self.shape[axis]
+    packed = -(-n // 2) if self.bits == 4 else -(-n // _blocks.PLANE_GROUP) * self.bits
+    return self.shape[:axis] + (packed,) + self.shape[axis + 1:]
+
+  def _scales_shape(self, extents: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored scales' shape: each axis n shortened to n / e."""
+    return tuple(n // e for n, e in zip(self.shape, extents))
+
   def _code_of_zero(self) -> int:
     q = 2**(self.bits - 1) - 1
     if self.mapping == 'linear':
@@ -263,12 +285,31 @@ class Blockwise(StateCodec):
   def init(self, param: Any, path: str) -> Coded:
     codec = self._bound(tuple(param.shape), path)
     extents = codec._extents(path)
+    if not _inherits_sharding(param):
+      return Coded(codec._packed_zeros(), jnp.zeros(codec._scales_shape(extents), jnp.float32))
+    # Built from the parameter, so that the state is placed as it is, axis by axis.
     zeros = jnp.zeros_like(param, dtype=jnp.float32)
     scales = _blocks.reshape(zeros, _blocks.split_shape(codec.shape, extents),
                              _blocks.outer(_blocks.explicit_spec(zeros)))
     scales = scales.sum(axis=tuple(range(1, 2 * len(extents), 2)))
     codes = jnp.full_like(param, codec._code_of_zero(), dtype=jnp.uint8)
     return Coded(_blocks.pack_codes(codes, codec._pack_axis(), codec.bits), scales)
+
+  def _packed_zeros(self) -> jax.Array:
+    """The stored codes of an all-zero leaf. Every code is the same, so where whole
+    groups fill the packed axis each packed row repeats one group's bytes: one
+    broadcast of a constant row, rather than packing a full array while tracing."""
+    code, axis = self._code_of_zero(), self._pack_axis()
+    if axis is None or self.bits == 8:
+      return jnp.full(self.shape, code, jnp.uint8)
+    n, group = self.shape[axis], _blocks.pack_group(self.bits)
+    if n % group:  # a padded last group: pack it as it is stored
+      return _blocks.pack_codes(jnp.full(self.shape, code, jnp.uint8), axis, self.bits)
+    if self.bits == 4:
+      return jnp.full(self._packed_shape(), code | code << 4, jnp.uint8)
+    planes = np.asarray([0xFF if code >> k & 1 else 0 for k in range(self.bits)], np.uint8)
+    row = np.tile(planes, n // group).reshape((-1,) + (1,) * (len(self.shape) - axis - 1))
+    return jnp.broadcast_to(row, self._packed_shape())
 
   @property
   def needs_seed(self) -> bool:
@@ -277,13 +318,16 @@ class Blockwise(StateCodec):
   def encode(self, x: jax.Array, seed: Optional[jax.Array] = None) -> Coded:
     if self.needs_seed and seed is None:
       raise ValueError("sj.Blockwise(rounding='stochastic').encode needs a uint32 `seed`.")
-    extents = self._bound(tuple(x.shape), 'leaf')._extents()
+    codec = self._bound(tuple(x.shape), 'leaf')
+    extents = codec._extents()
     spec = _blocks.explicit_spec(x)
     blocks = _blocks.reshape(x.astype(jnp.float32), _blocks.split_shape(x.shape, extents),
                              _blocks.outer(spec))
     inner = tuple(range(1, 2 * x.ndim, 2))
     absmax = jnp.max(jnp.abs(blocks), axis=inner, keepdims=True)
-    y = blocks / jnp.where(absmax > 0, absmax, 1.0)
+    # lax, not jnp.where / jnp.round: those are jitted functions, traced and lowered
+    # again for every leaf's shape (the same operations).
+    y = blocks / jax.lax.select(absmax > 0, absmax, jax.lax.full_like(absmax, 1.0))
     if self.mapping == 'linear':
       q = 2**(self.bits - 1) - 1
       if self.needs_seed:  # floor(y q + u) lies in [-q, q] since |y| <= 1 and u < 1
@@ -291,13 +335,13 @@ class Blockwise(StateCodec):
         u = _blocks.reshape(u, blocks.shape, _blocks.outer(spec))
         codes = (jnp.floor(y * q + u) + q).astype(jnp.uint8)
       else:
-        codes = (jnp.round(y * q) + q).astype(jnp.uint8)
+        codes = (jax.lax.round(y * q, jax.lax.RoundingMethod.TO_NEAREST_EVEN) + q
+                 ).astype(jnp.uint8)
     else:
       mids = _blocks.midpoints(_blocks.dynamic_map(self.bits))
       codes = _blocks.nearest(y, mids, self.bits).astype(jnp.uint8)
     codes = _blocks.reshape(codes, tuple(x.shape), spec)
-    codes = _blocks.pack_codes(codes, self._bound(tuple(x.shape), 'leaf')._pack_axis(),
-                               self.bits)
+    codes = _blocks.pack_codes(codes, codec._pack_axis(), self.bits)
     return Coded(codes, _blocks.reshape(absmax, absmax.shape[::2] if x.ndim else (), spec))
 
   def decode(self, stored: Coded) -> jax.Array:

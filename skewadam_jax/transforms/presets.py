@@ -9,7 +9,7 @@ own learning rate (the published floor wants a larger one) for 2% more state.
 published tiers' learning rate. `MUON_TIERS`: Muon's orthogonalised momentum on the
 hidden matrices; `MUON_CODED_TIERS`: the same with Muon's per-expert Nesterov momentum on
 the experts, stored as 6-bit blockwise codes, as is the hidden tier's, and the backbone's
-momentum as 8-bit codes.
+momentum as 8-bit codes (leaves under 4096 elements in fp32).
 """
 
 from __future__ import annotations
@@ -86,23 +86,27 @@ MUON_TIERS: Mapping[str, Tier] = {
 # each error within half a level; it drops a step's change below half a level (s / 62 at
 # 6 bits), which 0.05 g rarely is. Measured in the quality sweep (2000 steps, 5 seeds, at
 # 1e-2 as the fp32 form; docs/policies.md): within the seeds' spread of the same policy
-# with fp32 momentum (+0.3% ± 0.5%), 4.0% below Muon's loss, 1.4% below the first 4-bit
-# expert codes (stochastic, blocks of 64; 8.5% of AdamW's state), and 1.2% below the
-# same widths rounded stochastically (4 seeds).
+# with fp32 momentum (+0.3% ± 0.4%), 4.0% below Muon's loss, 1.4% below the first 4-bit
+# expert codes (stochastic, blocks of 64; 8.5% of AdamW's state), level with every leaf
+# coded (+0.0% ± 0.3%), which was 1.2% below the same widths rounded stochastically (4
+# seeds).
 # `fit='nearest'`: a width that 256 does not divide (DeepSeek-MoE's 10944, 1408) gets the
 # nearest block size that fits instead of an error. On the published 6.78B
 # configuration: 9.7% of AdamW's state (benchmarks/memory.py). Every tier runs at the
 # one lr (`lr_scale=1`): in the sweep (2000 steps, 3e-2) scaling the Adam-like tiers
 # (embeddings, norms, router) by 0.3 or 0.1 ended worse (1.2815, 1.3654 against 1.2604).
+# `min_size=4096` (bitsandbytes' `min_8bit_size`): a leaf under 4096 elements (a norm's
+# gain, a bias) keeps an fp32 momentum; its codes would save a few KB and cost the first
+# step kernels compiled for its shape alone (benchmarks/compile_time.py).
 MUON_CODED_TIERS: Mapping[str, Tier] = {
     'backbone': PUBLISHED_TIERS['backbone'].replace(
-        mu_codec=_codec.Blockwise(8, 256, 'linear', fit='nearest')),
+        mu_codec=_codec.Blockwise(8, 256, 'linear', fit='nearest', min_size=4096)),
     'hidden': MUON_TIERS['hidden'].replace(
-        mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest')),
+        mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest', min_size=4096)),
     'experts': Tier(momentum=True, nesterov=True, b1=0.95,
                     second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
                     clip_threshold=None,
-                    mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest')),
+                    mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest', min_size=4096)),
     'router': ADAM_ROUTER_TIERS['router'],
 }
 

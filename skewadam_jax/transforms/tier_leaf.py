@@ -105,8 +105,21 @@ def as_stored(stored: Any, expected: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
-def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str) -> Any:
+def _cached_abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str
+                           ) -> Any:
   return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
+
+
+def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str) -> Any:
+  """What `codec.init` makes for a parameter of `shape`, as shapes only; cached per
+  shape for `Blockwise` (whose codes do not depend on the path, which only names the
+  leaf in errors), per path for a user codec."""
+  if type(codec) is _codec.Blockwise:
+    try:
+      return _cached_abstract_coded(codec, shape, '')
+    except ValueError:  # raised again below, naming the leaf
+      pass
+  return _cached_abstract_coded(codec, shape, path)
 
 
 @functools.lru_cache(maxsize=4096)

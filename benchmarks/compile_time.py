@@ -239,7 +239,12 @@ def _plot(results: dict[str, Any], path: Any) -> None:
   for ax, which in zip(axes[0], steps):
     names = list(results[which])
     vals = [results[which][n]['total_cpu_s'] for n in names]
-    ax.bar([LABELS[n] for n in names], vals, color=['0.5', 'C0', 'C2', 'C3', 'C1'][:len(names)])
+    ax.bar([LABELS[n] for n in names], vals,
+           color=(['0.5'] + [f'C{i}' for i in range(len(names) - 1)]))
+    if 'adamw' in results[which]:  # the goal: at most 1.2x AdamW's
+      ax.axhline(1.2 * results[which]['adamw']['total_cpu_s'], color='k', ls='--', lw=1,
+                 label='1.2x optax.adamw')
+      ax.legend(fontsize=8, loc='lower right')
     for i, n in enumerate(names):
       ax.text(i, vals[i], f"{results[which][n]['cpu_ratio_vs_adamw']:.2f}x", ha='center',
               va='bottom')

@@ -55,6 +55,7 @@ import math
 import os
 import platform
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -478,10 +479,12 @@ def plot_losses(results: list[dict[str, Any]], path: Path, title: str = '') -> N
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
   ax.grid(alpha=0.3, which='both')
-  ax.legend(fontsize=7)
-  ax.set_title(title or 'MoE byte-level LM')
+  # Below the axes: long policy names would otherwise cover the curves' start.
+  ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.14))
+  ax.set_title('\n'.join(textwrap.fill(line, 90) for line in
+                         (title or 'MoE byte-level LM').split('\n')), fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, bbox_inches='tight')
   plt.close(fig)
 
 

@@ -130,10 +130,17 @@ class StateCodec(abc.ABC):
 
 def _inherits_sharding(param: Any) -> bool:
   """Whether `init` builds the state from `param`, so that it inherits its placement: a
-  concrete array (on its devices) or a type sharded under an Explicit mesh. A traced
-  parameter without a sharding of its own (under `jax.eval_shape`, or `jit` without
-  Explicit axes) gets the same arrays built directly, which traces fewer operations."""
-  return not isinstance(param, jax.core.Tracer) or _blocks.explicit_spec(param) is not None
+  concrete array (on its devices), or a traced one whose type names a mesh (under
+  `jax.set_mesh`; the state's type then matches what a step returns). A traced
+  parameter without a mesh (under `jax.eval_shape`, or `jit` outside a mesh) gets the
+  same arrays built directly, which traces fewer operations."""
+  if not isinstance(param, jax.core.Tracer):
+    return True
+  try:
+    mesh = jax.typeof(param).sharding.mesh
+  except (AttributeError, TypeError):  # a jax whose types carry no sharding
+    return False
+  return not getattr(mesh, 'empty', True)
 
 
 # ------------------------------------------------------------------------------ the maps

@@ -26,6 +26,11 @@ XLA:CPU, its kernel count.
   python benchmarks/compile_time.py                     # both steps, 3 rounds
   python benchmarks/compile_time.py --steps model --rounds 5
   python benchmarks/compile_time.py --steps model --optimizers skewadam-muon-tiers
+  python benchmarks/compile_time.py --steps model --rounds 5 --out \
+      benchmarks/results/compile_time_coded_tiers --optimizers skewadam-muon-coded-tiers \
+      skewadam-muon-coded-fp32 skewadam-muon-coded-fp32-hidden \
+      skewadam-muon-coded-fp32-experts skewadam-muon-coded-fp32-backbone
+                                                        # MUON_CODED_TIERS' codes, by tier
 
 Writes results/compile_time.{json,md,png} under benchmarks/.
 """
@@ -62,7 +67,16 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     'skewadam-muon-coded-tiers': lambda: sj.skewadam(LR, weight_decay=WD,
                                                      tiers=sj.MUON_CODED_TIERS),
     'adampm': lambda: sj.adampm(LR, weight_decay=WD, group_size=8),
+    # Where MUON_CODED_TIERS' compile goes: the same policy with one tier's codes (or
+    # every tier's) replaced by fp32 momentum.
+    'skewadam-muon-coded-fp32': lambda: _coded_without('backbone', 'hidden', 'experts'),
+    'skewadam-muon-coded-fp32-hidden': lambda: _coded_without('hidden'),
+    'skewadam-muon-coded-fp32-experts': lambda: _coded_without('experts'),
+    'skewadam-muon-coded-fp32-backbone': lambda: _coded_without('backbone'),
 }
+# The optimizers a run compiles unless told (`--optimizers`): the policies.
+DEFAULT = ('adamw', 'skewadam', 'skewadam-adam-eps-tiers', 'skewadam-muon-tiers',
+           'skewadam-muon-coded-tiers', 'adampm')
 LABELS = {
     'adamw': 'optax.adamw',
     'skewadam': 'SkewAdam (published tiers)',
@@ -70,7 +84,18 @@ LABELS = {
     'skewadam-muon-tiers': 'SkewAdam (MUON_TIERS)',
     'skewadam-muon-coded-tiers': 'SkewAdam (MUON_CODED_TIERS)',
     'adampm': 'AdamPM (s = 8)',
+    'skewadam-muon-coded-fp32': 'MUON_CODED_TIERS, fp32 momentum',
+    'skewadam-muon-coded-fp32-hidden': "MUON_CODED_TIERS, hidden tier's momentum fp32",
+    'skewadam-muon-coded-fp32-experts': "MUON_CODED_TIERS, experts' momentum fp32",
+    'skewadam-muon-coded-fp32-backbone': "MUON_CODED_TIERS, backbone's momentum fp32",
 }
+
+
+def _coded_without(*names: str) -> optax.GradientTransformation:
+  """`MUON_CODED_TIERS` with the momentum of the tiers `names` in fp32 (no codec)."""
+  tiers = {k: t.replace(mu_codec=None) if k in names else t
+           for k, t in sj.MUON_CODED_TIERS.items()}
+  return sj.skewadam(LR, weight_decay=WD, tiers=tiers)
 
 
 def tree32(layers: int = 32, d: int = 256, f: int = 512, experts: int = 8,
@@ -172,7 +197,7 @@ def main() -> None:
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   ap.add_argument('--steps', nargs='+', default=['model', 'tree32'],
                   choices=('model', 'tree32'), help='which training steps to compile')
-  ap.add_argument('--optimizers', nargs='+', default=list(OPTIMIZERS),
+  ap.add_argument('--optimizers', nargs='+', default=list(DEFAULT),
                   choices=list(OPTIMIZERS), help='adamw is always included')
   ap.add_argument('--rounds', type=int, default=3, help='interleaved rounds')
   ap.add_argument('--preset', default='small', help='example model preset')

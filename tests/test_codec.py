@@ -290,9 +290,9 @@ def test_packed_codes_match_the_reference_layout_and_round_trip(bits, case, seed
 @FUZZ
 @given(leaves())
 def test_traced_init_makes_the_concrete_inits_codes_and_scales(case):
-  # A traced parameter without a sharding (under jit or eval_shape) gets its codes and
+  # A traced parameter outside a mesh (under jit or eval_shape) gets its codes and
   # scales built directly; a concrete one from zeros like the parameter, which inherit
-  # its placement. Both are the same arrays.
+  # its placement (under a mesh, the multi-device tests). Both are the same arrays.
   x, batch, codec = case
   bound = codec.for_leaf(x.shape, batch)
   concrete = bound.init(jnp.asarray(x), 'w')

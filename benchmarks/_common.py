@@ -220,3 +220,11 @@ def muon_dims(params: Any) -> Any:
       return contrib.MuonDimensionNumbers(1, 2)
     return None
   return jax.tree.map(dims, params)
+
+
+def uncoded(tiers: Any, names: Sequence[str] = ()) -> dict[str, Any]:
+  """`tiers` with the momentum of the tiers `names` (all if none named) in fp32: its
+  `mu_codec` removed, the rest of each tier as it is. `uncoded(sj.MUON_CODED_TIERS)` is
+  the coded policy's fp32 form, what its codes are measured against."""
+  return {k: t.replace(mu_codec=None) if not names or k in names else t
+          for k, t in tiers.items()}

@@ -93,9 +93,7 @@ LABELS = {
 
 def _coded_without(*names: str) -> optax.GradientTransformation:
   """`MUON_CODED_TIERS` with the momentum of the tiers `names` in fp32 (no codec)."""
-  tiers = {k: t.replace(mu_codec=None) if k in names else t
-           for k, t in sj.MUON_CODED_TIERS.items()}
-  return sj.skewadam(LR, weight_decay=WD, tiers=tiers)
+  return sj.skewadam(LR, weight_decay=WD, tiers=_common.uncoded(sj.MUON_CODED_TIERS, names))
 
 
 def tree32(layers: int = 32, d: int = 256, f: int = 512, experts: int = 8,

@@ -34,6 +34,7 @@ float32 statistics) and is initialised on the bf16 parameters themselves. The co
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from typing import Any, Callable
 
@@ -162,6 +163,29 @@ def _example(variant: str) -> optax.GradientTransformation:
   return sj.skewadam(LR, tiers=opt_lib.skewadam_tiers(f'skewadam-muon-coded-{variant}'))
 
 
+# The coded policies of the quality sweep (`skewadam-muon-coded-<variant>` in
+# examples/moe_lm/optimizers.py) that the tables list: name -> (label, variant).
+_EXAMPLE_CODED = {
+    'muon-coded-all': ('MUON_CODED_TIERS with every leaf coded (the norms too)',
+                       '6bit-8bit-backbone-nearest'),
+    'muon-coded-8bit': ('first MUON_CODED_TIERS, 8-bit hidden and expert momentum '
+                        '(blocks of 256)', '8bit'),
+    'muon-coded-4bit-experts': ('first MUON_CODED_TIERS (fp32 backbone, 8-bit hidden, '
+                                '4-bit experts)', '4bit-experts-stochastic'),
+    'muon-coded-4bit': ('first MUON_CODED_TIERS, 4-bit hidden and expert momentum '
+                        '(blocks of 64)', '4bit'),
+    'muon-coded-4bit32-experts': ('first MUON_CODED_TIERS, experts 4-bit in blocks of 32',
+                                  '4bit32-experts-stochastic'),
+    'muon-coded-5bit-experts': ('first MUON_CODED_TIERS, experts 5-bit in blocks of 256',
+                                '5bit-experts-stochastic'),
+    'muon-coded-6bit-experts': ('first MUON_CODED_TIERS, experts 6-bit in blocks of 256',
+                                '6bit-experts-stochastic'),
+    'muon-coded-6bit-experts-5bit-rest': ('first MUON_CODED_TIERS, experts 6-bit, backbone '
+                                          'and hidden 5-bit (blocks of 256)',
+                                          '6bit-experts-5bit-rest'),
+}
+
+
 # name -> (label, factory, float32 state?). "float32 state" optimizers are initialised on
 # a float32 copy of the parameters (see the module docstring).
 OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], bool]] = {
@@ -187,29 +211,12 @@ OPTIMIZERS: dict[str, tuple[str, Callable[[], optax.GradientTransformation], boo
                    lambda: sj.skewadam(LR, tiers=sj.MUON_TIERS), True),
     'muon-tiers-fp32-expert-momentum': (
         'MUON_CODED_TIERS with fp32 momentum (no codes)',
-        lambda: sj.skewadam(LR, tiers={k: t.replace(mu_codec=None)
-                                       for k, t in sj.MUON_CODED_TIERS.items()}), True),
+        lambda: sj.skewadam(LR, tiers=_common.uncoded(sj.MUON_CODED_TIERS)), True),
     'muon-coded': ('MUON_CODED_TIERS (6-bit experts and hidden, 8-bit backbone, '
                    'fp32 under 4096 elements)',
                    lambda: sj.skewadam(LR, tiers=sj.MUON_CODED_TIERS), True),
-    'muon-coded-all': ('MUON_CODED_TIERS with every leaf coded (the norms too)',
-                       lambda: _example('6bit-8bit-backbone-nearest'), True),
-    'muon-coded-8bit': ('first MUON_CODED_TIERS, 8-bit hidden and expert momentum (blocks of 256)',
-                        lambda: _example('8bit'), True),
-    'muon-coded-4bit-experts': (
-        'first MUON_CODED_TIERS (fp32 backbone, 8-bit hidden, 4-bit experts)',
-        lambda: _example('4bit-experts-stochastic'), True),
-    'muon-coded-4bit': ('first MUON_CODED_TIERS, 4-bit hidden and expert momentum (blocks of 64)',
-                        lambda: _example('4bit'), True),
-    'muon-coded-4bit32-experts': ('first MUON_CODED_TIERS, experts 4-bit in blocks of 32',
-                                  lambda: _example('4bit32-experts-stochastic'), True),
-    'muon-coded-5bit-experts': ('first MUON_CODED_TIERS, experts 5-bit in blocks of 256',
-                                lambda: _example('5bit-experts-stochastic'), True),
-    'muon-coded-6bit-experts': ('first MUON_CODED_TIERS, experts 6-bit in blocks of 256',
-                                lambda: _example('6bit-experts-stochastic'), True),
-    'muon-coded-6bit-experts-5bit-rest': (
-        'first MUON_CODED_TIERS, experts 6-bit, backbone and hidden 5-bit (blocks of 256)',
-        lambda: _example('6bit-experts-5bit-rest'), True),
+    **{name: (label, functools.partial(_example, variant), True)
+       for name, (label, variant) in _EXAMPLE_CODED.items()},
 }
 
 

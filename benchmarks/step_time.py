@@ -58,8 +58,8 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     # MUON_CODED_TIERS and the same policy with fp32 momentum: the codec's cost.
     'skewadam-muon-coded': lambda: sj.skewadam(LR, weight_decay=WD,
                                                tiers=sj.MUON_CODED_TIERS),
-    'skewadam-muon-expert-momentum': lambda: sj.skewadam(LR, weight_decay=WD, tiers={
-        name: tier.replace(mu_codec=None) for name, tier in sj.MUON_CODED_TIERS.items()}),
+    'skewadam-muon-expert-momentum': lambda: sj.skewadam(
+        LR, weight_decay=WD, tiers=_common.uncoded(sj.MUON_CODED_TIERS)),
     'muon': lambda: contrib.muon(LR, weight_decay=WD,
                                  muon_weight_dimension_numbers=_common.muon_dims),
 }

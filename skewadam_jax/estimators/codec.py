@@ -267,16 +267,6 @@ class Blockwise(StateCodec):
     layout = _base.Layout.of(len(self.shape), self.batch_axes)
     return layout.matrix[-1] if layout.matrix else None
 
-  def _packed_shape(self) -> tuple[int, ...]:
-    """The stored codes' shape (module doc): the packed axis holds `bits / 8` bytes
-    per code, rounded up to whole bytes (4 bits) or whole groups of 8 (bit planes)."""
-    axis = self._pack_axis()
-    if axis is None or self.bits == 8:
-      return tuple(self.shape)
-    n = self.shape[axis]
-    packed = -(-n // 2) if self.bits == 4 else -(-n // _blocks.PLANE_GROUP) * self.bits
-    return self.shape[:axis] + (packed,) + self.shape[axis + 1:]
-
   def _scales_shape(self, extents: tuple[int, ...]) -> tuple[int, ...]:
     """The stored scales' shape: each axis n shortened to n / e."""
     return tuple(n // e for n, e in zip(self.shape, extents))
@@ -312,11 +302,13 @@ class Blockwise(StateCodec):
     n, group = self.shape[axis], _blocks.pack_group(self.bits)
     if n % group:  # a padded last group: pack it as it is stored
       return _blocks.pack_codes(jnp.full(self.shape, code, jnp.uint8), axis, self.bits)
+    # Whole groups: `bits / 8` bytes per code along the packed axis.
+    packed = self.shape[:axis] + (n * self.bits // 8,) + self.shape[axis + 1:]
     if self.bits == 4:
-      return jnp.full(self._packed_shape(), code | code << 4, jnp.uint8)
+      return jnp.full(packed, code | code << 4, jnp.uint8)
     planes = np.asarray([0xFF if code >> k & 1 else 0 for k in range(self.bits)], np.uint8)
     row = np.tile(planes, n // group).reshape((-1,) + (1,) * (len(self.shape) - axis - 1))
-    return jnp.broadcast_to(row, self._packed_shape())
+    return jnp.broadcast_to(row, packed)
 
   @property
   def needs_seed(self) -> bool:

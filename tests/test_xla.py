@@ -1,4 +1,5 @@
-"""core/xla.py: values XLA cannot fold into constants (`opaque_uints`)."""
+"""core/xla.py: values XLA cannot fold into constants (`opaque_uints`), values it must
+store once (`cpu_materialize`)."""
 
 import jax
 import jax.numpy as jnp
@@ -42,3 +43,44 @@ def test_opaque_values_are_not_constants_of_the_compiled_program():
   assert 'dynamic-slice' in hlo
   for i, part in enumerate(jax.jit(f)(x, jnp.float32(1))):
     np.testing.assert_array_equal(part, x[2 * i:2 * i + 2])
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), max_size=3), seed=st.integers(0, 2**31 - 1),
+       key=st.floats(-2.0**100, 2.0**100, width=32))
+def test_materialized_value_is_the_value_for_any_key(shape, seed, key):
+  x = jax.random.normal(jax.random.key(seed), tuple(shape))
+  eager = xla.cpu_materialize(x, jnp.float32(key))
+  jitted = jax.jit(lambda a, k: xla.cpu_materialize(a * 3.0, k))(x, jnp.float32(key))
+  np.testing.assert_array_equal(eager, x)
+  np.testing.assert_array_equal(jitted, np.asarray(x) * np.float32(3.0))  # bitwise
+
+
+def test_materialized_value_under_vmap_and_differentiation():
+  x = jnp.arange(12.0).reshape(3, 4)
+  keys = jnp.arange(3, dtype=jnp.float32)
+  # Batched value with a scalar key, and a batched key (then left as it is).
+  np.testing.assert_array_equal(
+      jax.vmap(lambda a: xla.cpu_materialize(a, jnp.float32(1)))(x), x)
+  np.testing.assert_array_equal(jax.vmap(xla.cpu_materialize)(x, keys), x)
+  np.testing.assert_array_equal(jax.jit(jax.vmap(xla.cpu_materialize))(x, keys), x)
+  # An identity: its derivative is the identity.
+  grad = jax.grad(lambda a: jnp.sum(xla.cpu_materialize(a, jnp.float32(0)) ** 2))(x)
+  np.testing.assert_array_equal(grad, 2 * x)
+  _, tangent = jax.jvp(lambda a: xla.cpu_materialize(a, jnp.float32(0)), (x,), (x,))
+  np.testing.assert_array_equal(tangent, x)
+
+
+def test_materialized_value_is_a_conditional_on_the_cpu_only():
+  def f(x, k):
+    y = xla.cpu_materialize(x * 2.0 + 1.0, k)
+    return jnp.max(y), y * 3.0
+  args = (jnp.ones((8, 16)), jnp.float32(1))
+  lowered = jax.jit(f).trace(*args).lower(lowering_platforms=('cpu',)).as_text()
+  assert 'stablehlo.case' in lowered or 'stablehlo.if' in lowered
+  for platform in ('cuda', 'tpu'):
+    other = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert 'stablehlo.case' not in other and 'stablehlo.if' not in other
+  # XLA:CPU keeps it through its optimisations (the kernels read the stored value).
+  if jax.default_backend() == 'cpu':
+    assert 'conditional(' in jax.jit(f).lower(*args).compile().as_text()

@@ -113,12 +113,16 @@ def _cached_abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], pat
 def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str) -> Any:
   """What `codec.init` makes for a parameter of `shape`, as shapes only; cached per
   shape for `Blockwise` (whose codes do not depend on the path, which only names the
-  leaf in errors), per path for a user codec."""
+  leaf in errors), per path for a user codec, not at all for one that is not hashable."""
   if type(codec) is _codec.Blockwise:
     try:
       return _cached_abstract_coded(codec, shape, '')
     except ValueError:  # raised again below, naming the leaf
       pass
+  try:
+    hash(codec)
+  except TypeError:
+    return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
   return _cached_abstract_coded(codec, shape, path)
 
 
@@ -216,6 +220,33 @@ def _codec_seed(t: jax.Array, path_key: Any) -> jax.Array:
   return _blocks.fmix32(step ^ jnp.asarray(path_key, jnp.uint32))
 
 
+def _coded_momentum(codec: _codec.StateCodec, b1: Any, stored: Any, g: jax.Array,
+                    t: jax.Array, seed: Optional[jax.Array]) -> tuple[jax.Array, Any]:
+  m = b1 * codec.decode(stored) + (1.0 - b1) * g.astype(jnp.float32)
+  # Stored once: the block absmax, the encoding and the update read it (on the CPU XLA
+  # would recompute it, with the decode, inside the encoding kernel).
+  m = _xla.cpu_materialize(m, t)
+  return m, (codec.encode(m) if seed is None else codec.encode(m, seed))
+
+
+# A model repeats few shapes: as a jitted function of the (static) codec, the decode,
+# moving average and encode are traced and lowered once per codec and shape and called
+# for each leaf (XLA inlines the calls, so the compiled program is the same).
+_coded_momentum_jit = jax.jit(_coded_momentum, static_argnums=(0,))
+
+
+def coded_momentum(codec: _codec.StateCodec, b1: Any, stored: Any, g: jax.Array,
+                   t: jax.Array, seed: Optional[jax.Array] = None
+                   ) -> tuple[jax.Array, Any]:
+  """The new float32 momentum `m = b1 decode(stored) + (1 - b1) g` and its encoding
+  (with `seed` for a codec that rounds stochastically); `t`: the step count (float32)."""
+  try:
+    hash(codec)
+  except TypeError:  # a user codec that is not hashable cannot key the jit's cache
+    return _coded_momentum(codec, b1, stored, g, t, seed)
+  return _coded_momentum_jit(codec, b1, stored, g, t, seed)
+
+
 class Deferred(NamedTuple):
   """A leaf's update waiting for its Newton-Schulz iteration (`Orthogonal.prepare`)."""
   mats: jax.Array  # shape=[n, R, C] float32: the matrices to orthogonalise
@@ -239,20 +270,18 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   completes together with the others of its matrix shape."""
   # Every full-size array below is either an input, a state output or computed inside
   # the one fused pass that also applies the update: statistics come from reductions
-  # over the stored arrays, and nothing of the leaf's size is materialised in between.
+  # over the stored arrays, and nothing of the leaf's size is materialised in between
+  # (but a coded momentum's `m`, which its absmax reads anyway: `coded_momentum`).
   bc1 = _per_leaf.bias_correction(b1, t)
   codec = leaf_codec(tuple(g.shape), tier, batch_axes, path)
   if codec is not None:
     # Decoded, updated and encoded within the step: the float32 momentum `m` lives only
     # inside it, and the update is computed from `m` itself (as 8-bit Adam does), so the
     # codes' error enters through the next step's decode only.
-    m = b1 * codec.decode(mu) + (1.0 - b1) * g.astype(jnp.float32)
+    seed = None
     if codec.needs_seed:
       seed = _codec_seed(t, path_hash(path) if path_key is None else path_key)
-      stored = codec.encode(m, seed)
-    else:
-      stored = codec.encode(m)
-    mu = m
+    mu, stored = coded_momentum(codec, b1, mu, g, t, seed)
   elif tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
   if tier.nesterov:

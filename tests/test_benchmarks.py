@@ -137,3 +137,15 @@ def test_fidelity_width_series_writes_table_json_and_plot(tmp_path, capsys, monk
     assert 0.0 < rows[8]['median'] < 1.0
     assert len(by_axis['whole_model_cosine']['8']) == 3
   assert (tmp_path / 'adampm_fidelity_widths.png').stat().st_size > 0
+
+
+@pytest.mark.skipif(jax.default_backend() != 'cpu', reason="XLA:CPU's LLVM IR dump")
+def test_compile_time_counts_the_steps_generated_code():
+  # One fresh process with `--xla_dump_to`: the step's LLVM modules and IR, and only the
+  # step's (the start-up compile is another module). AdamPM's update adds kernels to
+  # AdamW's on the same model step, so its counts are at least AdamW's.
+  import compile_time
+  adamw = compile_time.generated_code('adamw', 'model', 'small')
+  adampm = compile_time.generated_code('adampm', 'model', 'small')
+  assert 50 < adamw['llvm_modules'] <= adampm['llvm_modules']
+  assert 100 < adamw['llvm_ir_kb'] < adampm['llvm_ir_kb']

@@ -294,25 +294,27 @@ def plot(res: dict[str, Any], path, title: str) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
+  import textwrap
+
   names = [n for n in res['results'] if n != 'copy']
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  # Long policy names wrapped, so that the tick labels stay under their axes.
+  labels = [textwrap.fill(res['results'][n]['label'], 28) for n in names]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.5))
   meds = [res['results'][n]['median_ms'] for n in names]
   ax1.bar(range(len(names)), meds, color='tab:blue')
   ax1.axhline(res['results']['copy']['median_ms'], color='gray', ls='--',
               label='copy kernel')
-  ax1.set_xticks(range(len(names)), [res['results'][n]['label'] for n in names],
-                 rotation=20, ha='right', fontsize=8)
+  ax1.set_xticks(range(len(names)), labels, rotation=30, ha='right', fontsize=7)
   ax1.set_ylabel('median step time (ms)')
   ax1.legend(fontsize=8)
   if 'adamw' in res['results']:
     data = [np.asarray(res['results'][n]['wall_s']) / np.asarray(
         res['results']['adamw']['wall_s']) for n in names]
     ax2.boxplot(data)
-    ax2.set_xticks(range(1, len(names) + 1), [res['results'][n]['label'] for n in names],
-                   rotation=20, ha='right', fontsize=8)
+    ax2.set_xticks(range(1, len(names) + 1), labels, rotation=30, ha='right', fontsize=7)
     ax2.axhline(1.0, color='gray', ls='--')
     ax2.set_yscale('log')
-    ax2.set_ylabel('time / optax.adamw time (same round)')
+    ax2.set_ylabel('x optax.adamw (same round)')
   fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -119,11 +119,18 @@ def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str)
       return _cached_abstract_coded(codec, shape, '')
     except ValueError:  # raised again below, naming the leaf
       pass
-  try:
-    hash(codec)
-  except TypeError:
+  if not _hashable(codec):
     return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
   return _cached_abstract_coded(codec, shape, path)
+
+
+def _hashable(x: Any) -> bool:
+  """Whether `x` can key a cache (an `lru_cache`, a jit's static argument)."""
+  try:
+    hash(x)
+  except TypeError:
+    return False
+  return True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -223,8 +230,9 @@ def _codec_seed(t: jax.Array, path_key: Any) -> jax.Array:
 def _coded_momentum(codec: _codec.StateCodec, b1: Any, stored: Any, g: jax.Array,
                     t: jax.Array, seed: Optional[jax.Array]) -> tuple[jax.Array, Any]:
   m = b1 * codec.decode(stored) + (1.0 - b1) * g.astype(jnp.float32)
-  # Stored once: the block absmax, the encoding and the update read it (on the CPU XLA
-  # would recompute it, with the decode, inside the encoding kernel).
+  # Stored once: the encoding's scales (a reduction: Blockwise's absmax) read it, so it is
+  # written to memory anyway, and the encoding and the update read it from there (on the
+  # CPU XLA would recompute it, with the decode, inside the encoding kernel).
   m = _xla.cpu_materialize(m, t)
   return m, (codec.encode(m) if seed is None else codec.encode(m, seed))
 
@@ -240,11 +248,9 @@ def coded_momentum(codec: _codec.StateCodec, b1: Any, stored: Any, g: jax.Array,
                    ) -> tuple[jax.Array, Any]:
   """The new float32 momentum `m = b1 decode(stored) + (1 - b1) g` and its encoding
   (with `seed` for a codec that rounds stochastically); `t`: the step count (float32)."""
-  try:
-    hash(codec)
-  except TypeError:  # a user codec that is not hashable cannot key the jit's cache
-    return _coded_momentum(codec, b1, stored, g, t, seed)
-  return _coded_momentum_jit(codec, b1, stored, g, t, seed)
+  # A user codec that is not hashable cannot key the jit's cache: traced per leaf.
+  run = _coded_momentum_jit if _hashable(codec) else _coded_momentum
+  return run(codec, b1, stored, g, t, seed)
 
 
 class Deferred(NamedTuple):

@@ -13,19 +13,22 @@ compilation cache is hit:
 
 Each sample runs in a fresh Python process (this script with `--one`), so that it
 measures what a user's first step costs: no tracing cache, no compilation cache, no
-jaxpr of an earlier optimizer to reuse. The process imports everything and compiles a
-trivial function first (backend start-up, common to every optimizer), then times the
-step's trace + lower and its XLA compile. Rounds are interleaved (each round runs every
-optimizer once, in a rotating order), and the reported ratio is the median over rounds
-of `time(opt) / time(adamw)` of the same round, so that load from other processes hits
-all optimizers alike. Also reported: the same with the process's CPU time
-(`time.process_time`, every thread) instead of wall-clock time, which other processes
-on a loaded machine disturb less, and the optimised HLO's instruction count and, on
-XLA:CPU, its kernel count. Last, on XLA:CPU, one more fresh process per optimizer with
-`XLA_FLAGS=--xla_dump_to=DIR` counts what code generation compiled for the step: its LLVM
-modules (one per distinct kernel: leaves of one shape share theirs) and the bytes of
-their optimised LLVM IR. Most of XLA:CPU's compile time is that code generation, and
-these counts carry none of the timing noise (`--no-generated-code` skips them).
+jaxpr of an earlier optimizer to reuse. The process imports everything, compiles a
+trivial function (backend start-up) and traces the model's abstract init first (all
+common to every optimizer, and no part of what the optimizer costs), then times the
+optimizer's `init` trace and the step's trace + lower and its XLA compile. Rounds are
+interleaved (each round runs every optimizer once, in a rotating order), and the
+reported ratio is the median over rounds of `time(opt) / time(adamw)` of the same
+round, so that load from other processes hits all optimizers alike. Also reported: the
+same with the process's CPU time (`time.process_time`, every thread) instead of
+wall-clock time, which other processes on a loaded machine disturb less, and the
+optimised HLO's instruction count and, on XLA:CPU, its kernel count. Last, on XLA:CPU,
+one more fresh process per optimizer with `XLA_FLAGS=--xla_dump_to=DIR` counts what code
+generation compiled for the step: its LLVM modules (one per distinct kernel: leaves of
+one shape share theirs) and the bytes of their optimised LLVM IR. Most of XLA:CPU's
+compile time is that code generation, with a fixed cost per module (about 20-30 ms on
+2 cores, however small the kernel), and these counts carry none of the timing noise
+(`--no-generated-code` skips them).
 
   python benchmarks/compile_time.py                     # both steps, 3 rounds
   python benchmarks/compile_time.py --steps model --rounds 5
@@ -140,8 +143,11 @@ def tree_args(tx: optax.GradientTransformation) -> tuple[Any, ...]:
   return params, jax.eval_shape(tx.init, params), params
 
 
-def model_step(tx: optax.GradientTransformation, preset: str) -> tuple[Callable, tuple]:
-  """The example's jitted training step and its abstract arguments."""
+def model_parts(preset: str) -> tuple[Any, Any, Any, Any, Any]:
+  """What the example's step needs besides the optimizer: its graph, abstract params and
+  other variables, a batch and a key. Built before the clock starts: importing Flax
+  (and the example's Orbax helpers) and tracing the model's init are no part of what
+  the optimizer adds to a step's compile, and counting them would shrink every ratio."""
   from flax import nnx
 
   from examples.moe_lm import model as model_lib
@@ -151,9 +157,19 @@ def model_step(tx: optax.GradientTransformation, preset: str) -> tuple[Callable,
   graphdef, params, rest = nnx.eval_shape(lambda: train_lib.init_model(cfg, 0))
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
-  state = jax.eval_shape(tx.init, params)
   batch = jax.ShapeDtypeStruct((16, cfg.max_len + 1), jnp.int32)
   key = jax.eval_shape(lambda: jax.random.key(0))
+  return graphdef, params, rest, batch, key
+
+
+def model_step(tx: optax.GradientTransformation, parts: tuple[Any, ...]
+               ) -> tuple[Callable, tuple]:
+  """The example's jitted training step and its abstract arguments (`parts` from
+  `model_parts`); the optimizer's `init` is traced here, as a user's first step runs it."""
+  from examples.moe_lm import train as train_lib
+
+  graphdef, params, rest, batch, key = parts
+  state = jax.eval_shape(tx.init, params)
   step = train_lib.make_train_step(graphdef, tx, False)
   return step, (params, state, rest, batch, key)
 
@@ -167,12 +183,13 @@ def kernels(hlo: str) -> int:
 def compile_once(name: str, which: str, preset: str) -> dict[str, float]:
   """Lowers and compiles one fresh jit of `which` with optimizer `name`."""
   jax.jit(lambda x: x + 1).lower(jnp.float32(0)).compile()  # backend start-up, untimed
+  parts = model_parts(preset) if which == 'model' else None  # untimed: no optimizer in it
   tx = OPTIMIZERS[name]()
   t0, c0 = time.perf_counter(), time.process_time()
   if which == 'tree32':
     fn, args = jax.jit(tree_step(tx), donate_argnums=(0, 1)), tree_args(tx)
   else:
-    fn, args = model_step(tx, preset)
+    fn, args = model_step(tx, parts)
   lowered = fn.lower(*args)
   t1, c1 = time.perf_counter(), time.process_time()
   compiled = lowered.compile()

@@ -47,6 +47,9 @@ class Step(NamedTuple):
   clip: Optional[float]  # static: RMS clip threshold, or None
   x_is_grad: bool  # static: the numerator `x` is the gradient itself (no momentum)
   path: str  # the parameter's path, for error messages
+  # shape=(), float32: num_scale without the floor mode's sqrt(bc2) (1/bc1 with momentum,
+  # 1 without or in Nesterov's form); None: num_scale / sqrt(bc2) ('floor'), num_scale.
+  bc1_scale: Optional[jax.Array] = None
 
 
 class SecondMoment(abc.ABC):

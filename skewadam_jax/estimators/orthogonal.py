@@ -262,7 +262,9 @@ class Orthogonal(_second_moment.SecondMoment):
     r = math.prod(x.shape[a] for a in rows)
     c = x.shape[col]
     # The floor mode's sqrt(bc2) only rescales `x`, which the normalisation undoes.
-    s = step.num_scale / jnp.sqrt(step.bc2) if step.floor else step.num_scale
+    s = step.bc1_scale
+    if s is None:
+      s = step.num_scale / jnp.sqrt(step.bc2) if step.floor else step.num_scale
     perm = batch + rows + (col,)
     mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(-1, r, c)
     scale = (self.rms_scale * math.sqrt(max(r, c)) if self.rms_scale is not None

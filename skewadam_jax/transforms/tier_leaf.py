@@ -10,10 +10,11 @@ import functools
 import inspect
 import math
 import zlib
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.core import xla as _xla
@@ -23,7 +24,6 @@ from skewadam_jax.estimators import exact as _exact
 from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.estimators import orthogonal as _orthogonal
-from skewadam_jax.transforms import per_leaf as _per_leaf
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.core import tree as _tree
 
@@ -261,16 +261,82 @@ class Deferred(NamedTuple):
   resume: Callable[[jax.Array], tuple[jax.Array, dict[str, Any]]]  # NS result -> update, state
 
 
+class TierScalars(NamedTuple):
+  """The functions of the step count that one tier's leaves use (`tier_scalars`)."""
+  bc2: jax.Array  # shape=(), float32: 1 - b2^t
+  num_scale: jax.Array  # shape=(), float32: `Step.num_scale`
+  bc1_scale: jax.Array  # shape=(), float32: `Step.bc1_scale`
+  x_coeffs: tuple[jax.Array, jax.Array]  # shape=() each: Nesterov's x = c_m m + c_g g
+
+
+def _vector(values: Sequence[Any]) -> jax.Array:
+  """`values` (numbers, or scalars traced under `inject_hyperparams`) as a float32 vector:
+  a constant when all are numbers."""
+  if all(_checks.is_concrete_number(v) for v in values):
+    return jnp.asarray(np.asarray([float(v) for v in values], np.float32))
+  return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
+
+
+def tier_scalars(tiers: Sequence[Tier], b1: Any, b2: Any, t: jax.Array
+                 ) -> dict[int, TierScalars]:
+  """Each tier's `TierScalars` at step `t` (float32), by `id(tier)`; `b1` for tiers
+  whose own `b1` is None.
+
+  The bias corrections and their quotients and roots are scalar operations that XLA
+  will not fuse into several consumers (a power, a division or a root is too costly to
+  recompute), so each one became a kernel of its own, about 20 ms of compile each on
+  XLA:CPU however small. Here every entry is one element of a single elementwise
+  expression over a vector,
+
+    e = (a x) / y,   x = 1 - b^t (or its square root, or 1),   y = 1 - c^(t + d) (or 1),
+
+  with per-entry constants (or traced decays, under `inject_hyperparams`): one kernel
+  for all of them. The vector passes through `core.xla.cpu_materialize`, so that XLA
+  does not split it up again, and the consumers only slice and multiply.
+  """
+  one, zero = 1.0, 0.0
+  # Per entry: a, b, uses_b, root, c, d, uses_c.
+  rows: list[tuple[Any, Any, bool, bool, Any, float, bool]] = [
+      (one, b2, True, False, one, 0.0, False)]  # bc2
+  index: dict[int, tuple[int, int, int, int]] = {}
+  for tier in tiers:
+    if id(tier) in index:
+      continue
+    b = b1 if tier.b1 is None else tier.b1  # a float, or traced (inject_hyperparams)
+    floor = tier.eps_mode == 'floor'
+    momentum = tier.momentum and not tier.nesterov  # Nesterov's x is corrected itself
+    # num_scale: 1/bc1 with momentum, times sqrt(bc2) in floor mode; bc1_scale: 1/bc1.
+    num_scale = (one, b2, floor, True, b, 0.0, momentum)
+    bc1_scale = (one, zero, False, False, b, 0.0, momentum)
+    # Nesterov (optax's form, the momentum corrected one step ahead, plus g):
+    # x = b1 / (1 - b1^(t+1)) m + (1 - b1) / (1 - b1^t) g.
+    c_m = (b, zero, False, False, b, 1.0, True)
+    c_g = (1.0 - b, zero, False, False, b, 0.0, True)
+    index[id(tier)] = tuple(range(len(rows), len(rows) + 4))  # type: ignore[assignment]
+    rows += [num_scale, bc1_scale, c_m, c_g]
+  a, b, uses_b, root, c, d, uses_c = (list(col) for col in zip(*rows))
+  ones = np.ones(len(rows), np.float32)
+  x = 1.0 - _vector(b) ** t
+  x = jax.lax.select(np.asarray(root), jnp.sqrt(x), x)
+  x = jax.lax.select(np.asarray(uses_b), x, ones)
+  y = jax.lax.select(np.asarray(uses_c), 1.0 - _vector(c) ** (t + _vector(d)), ones)
+  table = _xla.cpu_materialize(_vector(a) * x / y, t)
+  entry = [jax.lax.index_in_dim(table, i, keepdims=False) for i in range(len(rows))]
+  return {k: TierScalars(entry[0], entry[i], entry[j], (entry[m], entry[n]))
+          for k, (i, j, m, n) in index.items()}
+
+
 def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
                 eps: Any, path: str, g: jax.Array, mu: Any,
-                present: Mapping[str, Any], t: jax.Array, bc2: jax.Array,
+                present: Mapping[str, Any], t: jax.Array, scalars: TierScalars,
                 batch_axes: Any = None, dtype: Any = None, defer: bool = False,
                 path_key: Any = None
                 ) -> Union[tuple[jax.Array, dict[str, Any]], Deferred]:
-  """A leaf's update under `tier` (`t` the step count after it, as a float32), in
-  `dtype` (default the gradient's; `per_leaf.update_dtype`), and its new state (field
-  name -> array; a coded momentum as its codec stores it). `path_key`: the leaf's
-  `path_hash` as `codec_path_hashes` gives it (None: computed here, a constant).
+  """A leaf's update under `tier` (`t` the step count after it, as a float32; `scalars`
+  its tier's `tier_scalars`), in `dtype` (default the gradient's;
+  `per_leaf.update_dtype`), and its new state (field name -> array; a coded momentum as
+  its codec stores it). `path_key`: the leaf's `path_hash` as `codec_path_hashes` gives
+  it (None: computed here, a constant).
 
   With `defer`, an orthogonalised leaf returns a `Deferred` instead, which `resolve`
   completes together with the others of its matrix shape."""
@@ -278,7 +344,6 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   # the one fused pass that also applies the update: statistics come from reductions
   # over the stored arrays, and nothing of the leaf's size is materialised in between
   # (but a coded momentum's `m`, which its absmax reads anyway: `coded_momentum`).
-  bc1 = _per_leaf.bias_correction(b1, t)
   codec = leaf_codec(tuple(g.shape), tier, batch_axes, path)
   if codec is not None:
     # Decoded, updated and encoded within the step: the float32 momentum `m` lives only
@@ -292,21 +357,16 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
   if tier.nesterov:
     # optax's Nesterov form: the momentum corrected one step ahead, plus the gradient.
-    bc1_next = _per_leaf.bias_correction(b1, t + 1.0)
-    x = b1 / bc1_next * mu.astype(jnp.float32) + (1.0 - b1) / bc1 * g.astype(jnp.float32)
-    num_scale = 1.0
+    c_m, c_g = scalars.x_coeffs
+    x = c_m * mu.astype(jnp.float32) + c_g * g.astype(jnp.float32)
   elif tier.momentum:
     x = mu  # the stored (cast) momentum: no defensive copy of the uncast one
-    num_scale = 1.0 / bc1
   else:
     x = g
-    num_scale = 1.0
-  floor = tier.eps_mode == 'floor'
-  if floor:
-    num_scale = num_scale * jnp.sqrt(bc2)
   step = _second_moment.Step(
-      b2=b2, bc2=bc2, eps=eps, num_scale=jnp.asarray(num_scale, jnp.float32), floor=floor,
-      clip=tier.clip_threshold, x_is_grad=not tier.momentum, path=path)
+      b2=b2, bc2=scalars.bc2, eps=eps, num_scale=scalars.num_scale,
+      floor=tier.eps_mode == 'floor', clip=tier.clip_threshold, x_is_grad=not tier.momentum,
+      path=path, bc1_scale=scalars.bc1_scale)
 
   def end(u: jax.Array, new: Mapping[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
     _checks.check_estimator_update(estimator, path, tuple(g.shape), u, present, new)

@@ -86,7 +86,8 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     leaf_tiers, axes = setup(updates, leaves)
     rows = leaves.read(state, _tier_leaf.FIELDS)
     count, t = _per_leaf.next_count(state.count)
-    bc2 = _per_leaf.bias_correction(b2, t)
+    scalars = _tier_leaf.tier_scalars(
+        [tier for tier, g in zip(leaf_tiers, leaves.arrays) if _per_leaf.trains(g)], b1, b2, t)
     hashes = _tier_leaf.codec_path_hashes(leaf_tiers, leaves.paths, t)
     out = []
     for i, (tier, path, g, p, row, a) in enumerate(zip(
@@ -99,7 +100,7 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
       mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
       out.append(_tier_leaf.update_leaf(
           tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps, path, g, mu,
-          present, t, bc2, a, _per_leaf.update_dtype(g, p), defer=True,
+          present, t, scalars[id(tier)], a, _per_leaf.update_dtype(g, p), defer=True,
           path_key=hashes.get(i)))
     out = _tier_leaf.resolve(out, t)
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(

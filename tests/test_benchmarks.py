@@ -149,3 +149,22 @@ def test_compile_time_counts_the_steps_generated_code():
   adampm = compile_time.generated_code('adampm', 'model', 'small')
   assert 50 < adamw['llvm_modules'] <= adampm['llvm_modules']
   assert 100 < adamw['llvm_ir_kb'] < adampm['llvm_ir_kb']
+
+
+def test_compile_time_kernel_cost_compiles_one_jit_per_count():
+  import compile_time
+  out = compile_time.kernel_cost((1, 3))
+  assert [n for n, _ in out] == [1, 3]
+  assert all(seconds > 0 for _, seconds in out)
+
+
+def test_compile_time_model_step_traces_the_optimizer_init_only():
+  # The model's parts are built once, outside the timed region; the step's arguments
+  # hold the optimizer's abstract state, traced from its `init` on the model's params.
+  import compile_time
+  parts = compile_time.model_parts('small')
+  tx = compile_time.OPTIMIZERS['adamw']()
+  _, args = compile_time.model_step(tx, parts)
+  assert args[0] is parts[1]
+  want = jax.eval_shape(tx.init, parts[1])
+  assert jax.tree.structure(args[1]) == jax.tree.structure(want)

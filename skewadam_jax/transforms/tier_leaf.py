@@ -10,11 +10,10 @@ import functools
 import inspect
 import math
 import zlib
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.core import xla as _xla
@@ -27,6 +26,7 @@ from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.core import tree as _tree
 
+from skewadam_jax.transforms import step_scalars as _step_scalars
 from skewadam_jax.transforms.tier import Tier
 
 FIELDS = ('mu',) + _second_moment.STAT_FIELDS  # the per-parameter fields of the state
@@ -261,80 +261,14 @@ class Deferred(NamedTuple):
   resume: Callable[[jax.Array], tuple[jax.Array, dict[str, Any]]]  # NS result -> update, state
 
 
-class TierScalars(NamedTuple):
-  """The functions of the step count that one tier's leaves use (`tier_scalars`)."""
-  bc2: jax.Array  # shape=(), float32: 1 - b2^t
-  num_scale: jax.Array  # shape=(), float32: `Step.num_scale`
-  bc1_scale: jax.Array  # shape=(), float32: `Step.bc1_scale`
-  x_coeffs: tuple[jax.Array, jax.Array]  # shape=() each: Nesterov's x = c_m m + c_g g
-
-
-def _vector(values: Sequence[Any]) -> jax.Array:
-  """`values` (numbers, or scalars traced under `inject_hyperparams`) as a float32 vector:
-  a constant when all are numbers."""
-  if all(_checks.is_concrete_number(v) for v in values):
-    return jnp.asarray(np.asarray([float(v) for v in values], np.float32))
-  return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
-
-
-def tier_scalars(tiers: Sequence[Tier], b1: Any, b2: Any, t: jax.Array
-                 ) -> dict[int, TierScalars]:
-  """Each tier's `TierScalars` at step `t` (float32), by `id(tier)`; `b1` for tiers
-  whose own `b1` is None.
-
-  The bias corrections and their quotients and roots are scalar operations that XLA
-  will not fuse into several consumers (a power, a division or a root is too costly to
-  recompute), so each one became a kernel of its own, about 20 ms of compile each on
-  XLA:CPU however small. Here every entry is one element of a single elementwise
-  expression over a vector,
-
-    e = (a x) / y,   x = 1 - b^t (or its square root, or 1),   y = 1 - c^(t + d) (or 1),
-
-  with per-entry constants (or traced decays, under `inject_hyperparams`): one kernel
-  for all of them, whose consumers only slice and multiply (the step of the example
-  model compiled 5 kernels fewer with `MUON_CODED_TIERS`; tests/test_tiered.py checks
-  that one fusion holds every power).
-  """
-  one, zero = 1.0, 0.0
-  # Per entry: a, b, uses_b, root, c, d, uses_c.
-  rows: list[tuple[Any, Any, bool, bool, Any, float, bool]] = [
-      (one, b2, True, False, one, 0.0, False)]  # bc2
-  index: dict[int, tuple[int, int, int, int]] = {}
-  for tier in tiers:
-    if id(tier) in index:
-      continue
-    b = b1 if tier.b1 is None else tier.b1  # a float, or traced (inject_hyperparams)
-    floor = tier.eps_mode == 'floor'
-    momentum = tier.momentum and not tier.nesterov  # Nesterov's x is corrected itself
-    # num_scale: 1/bc1 with momentum, times sqrt(bc2) in floor mode; bc1_scale: 1/bc1.
-    num_scale = (one, b2, floor, True, b, 0.0, momentum)
-    bc1_scale = (one, zero, False, False, b, 0.0, momentum)
-    # Nesterov (optax's form, the momentum corrected one step ahead, plus g):
-    # x = b1 / (1 - b1^(t+1)) m + (1 - b1) / (1 - b1^t) g.
-    c_m = (b, zero, False, False, b, 1.0, True)
-    c_g = (1.0 - b, zero, False, False, b, 0.0, True)
-    index[id(tier)] = tuple(range(len(rows), len(rows) + 4))  # type: ignore[assignment]
-    rows += [num_scale, bc1_scale, c_m, c_g]
-  a, b, uses_b, root, c, d, uses_c = (list(col) for col in zip(*rows))
-  ones = np.ones(len(rows), np.float32)
-  x = 1.0 - _vector(b) ** t
-  x = jax.lax.select(np.asarray(root), jnp.sqrt(x), x)
-  x = jax.lax.select(np.asarray(uses_b), x, ones)
-  y = jax.lax.select(np.asarray(uses_c), 1.0 - _vector(c) ** (t + _vector(d)), ones)
-  table = _vector(a) * x / y
-  entry = [jax.lax.index_in_dim(table, i, keepdims=False) for i in range(len(rows))]
-  return {k: TierScalars(entry[0], entry[i], entry[j], (entry[m], entry[n]))
-          for k, (i, j, m, n) in index.items()}
-
-
 def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
                 eps: Any, path: str, g: jax.Array, mu: Any,
-                present: Mapping[str, Any], t: jax.Array, scalars: TierScalars,
+                present: Mapping[str, Any], t: jax.Array, scalars: _step_scalars.TierScalars,
                 batch_axes: Any = None, dtype: Any = None, defer: bool = False,
                 path_key: Any = None
                 ) -> Union[tuple[jax.Array, dict[str, Any]], Deferred]:
   """A leaf's update under `tier` (`t` the step count after it, as a float32; `scalars`
-  its tier's `tier_scalars`), in `dtype` (default the gradient's;
+  its tier's `step_scalars.tier_scalars`), in `dtype` (default the gradient's;
   `per_leaf.update_dtype`), and its new state (field name -> array; a coded momentum as
   its codec stores it). `path_key`: the leaf's `path_hash` as `codec_path_hashes` gives
   it (None: computed here, a constant).

@@ -18,6 +18,7 @@ from skewadam_jax.core import checks as _checks
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import per_leaf as _per_leaf
+from skewadam_jax.transforms import step_scalars as _step_scalars
 from skewadam_jax.transforms import tier_leaf as _tier_leaf
 
 from skewadam_jax.transforms import presets as _presets
@@ -86,7 +87,7 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     leaf_tiers, axes = setup(updates, leaves)
     rows = leaves.read(state, _tier_leaf.FIELDS)
     count, t = _per_leaf.next_count(state.count)
-    scalars = _tier_leaf.tier_scalars(
+    scalars = _step_scalars.tier_scalars(
         [tier for tier, g in zip(leaf_tiers, leaves.arrays) if _per_leaf.trains(g)], b1, b2, t)
     hashes = _tier_leaf.codec_path_hashes(leaf_tiers, leaves.paths, t)
     out = []

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,9 @@ import pytest
 import skewadam_jax as sj
 from reference import RefTier
 from skewadam_jax.transforms import alias as _alias
+from skewadam_jax.transforms import tier_leaf as _tier_leaf
 from trees import MOE_LEAVES, init_params, make_grads_fn, nest, run_optax
+from ulp import assert_within_ulp
 
 STEPS = 30
 LR = 1e-2
@@ -361,3 +365,43 @@ def test_grouped_tier_pooled_along_a_batch_axis_matches_the_reference(momentum):
                                rtol=2e-5, atol=1e-7)
   assert ref.clipped > 0
 
+
+
+@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.given(
+    shapes=st.lists(st.sampled_from([(16,), (8, 16), (16, 8), (2, 8, 16), (24, 16)]),
+                    min_size=1, max_size=6),
+    estimator=st.sampled_from([sj.Factored(), sj.Exact(), sj.Grouped(group_size=4)]),
+    momentum=st.booleans(), seed=st.integers(0, 2**16))
+def test_leaves_of_one_shape_share_one_traced_estimator_update(shapes, estimator, momentum,
+                                                               seed):
+  # A built-in estimator's update is one jitted function of the estimator and the step's
+  # static options: traced once per shape, called once per leaf; the same updates and
+  # statistics as the update traced leaf by leaf (within the ulp bound).
+  params = {f'p{i}': jnp.zeros(s) for i, s in enumerate(shapes)}
+  rng = np.random.default_rng(seed)
+  grads = [{k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+            for k, v in params.items()} for _ in range(3)]
+  tier = sj.Tier(momentum=momentum, second_moment=estimator)
+  runs = {}
+  cached = _tier_leaf._CACHED
+  for name in ('cached', 'per leaf'):
+    _tier_leaf._CACHED = cached if name == 'cached' else ()
+    try:
+      tx = sj.scale_by_tiered_adam(tier=tier)
+      state = tx.init(params)
+      for g in grads:
+        u, state = jax.jit(tx.update)(g, state)
+      runs[name] = (u, state)
+      calls = [e for e in jax.make_jaxpr(tx.update)(grads[0], state).eqns
+               if e.primitive.name in ('pjit', 'jit')
+               and e.params.get('name') == '_cached_update']
+    finally:
+      _tier_leaf._CACHED = cached
+    if name == 'cached':
+      assert len(calls) == len(shapes)
+      assert len({id(e.params['jaxpr']) for e in calls}) == len(set(shapes))
+    else:
+      assert not calls
+  for a, b in zip(jax.tree.leaves(runs['cached']), jax.tree.leaves(runs['per leaf'])):
+    assert_within_ulp(a, b, np.float32)

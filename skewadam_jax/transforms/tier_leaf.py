@@ -317,7 +317,29 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     mats, finish = estimator.prepare(x, step)
     return Deferred(mats, (_orthogonal.wide(mats.shape), estimator.iteration), estimator,
                     lambda o: end(finish(o), {}))
+  if type(estimator) in _CACHED and _hashable((estimator, step.b2, step.eps)):
+    try:
+      return end(*_cached_update(estimator, step._replace(path='', bc2=None, num_scale=None,
+                                                          bc1_scale=None), g, dict(present),
+                                 x, (step.bc2, step.num_scale, step.bc1_scale)))
+    except (ValueError, TypeError):  # raised again below, naming the leaf
+      pass
   return end(*estimator.update(g, present, x, step))
+
+
+# The built-in estimators' update of a leaf depends on its shapes and static options
+# only: as a jitted function it is traced and lowered once per shape, not once per leaf
+# (a model repeats few shapes; XLA inlines the calls, so the program is the same).
+_CACHED = (_exact.Exact, _factored.Factored, _grouped.Grouped)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _cached_update(estimator: _second_moment.SecondMoment, static: _second_moment.Step,
+                   g: jax.Array, present: dict[str, Any], x: jax.Array,
+                   scalars: tuple[jax.Array, jax.Array, Any]) -> tuple[jax.Array, Any]:
+  bc2, num_scale, bc1_scale = scalars
+  return estimator.update(g, present, x, static._replace(bc2=bc2, num_scale=num_scale,
+                                                         bc1_scale=bc1_scale))
 
 
 # A shared iteration holds its float32 temporaries for every matrix of a chunk at

@@ -317,7 +317,8 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     mats, finish = estimator.prepare(x, step)
     return Deferred(mats, (_orthogonal.wide(mats.shape), estimator.iteration), estimator,
                     lambda o: end(finish(o), {}))
-  if type(estimator) in _CACHED and _hashable((estimator, step.b2, step.eps)):
+  if (type(estimator) in _CACHED and _checks.is_concrete_number(step.b2)
+      and _checks.is_concrete_number(step.eps)):  # not traced (inject_hyperparams)
     try:
       return end(*_cached_update(estimator, step._replace(path='', bc2=None, num_scale=None,
                                                           bc1_scale=None), g, dict(present),

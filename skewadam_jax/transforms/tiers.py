@@ -87,8 +87,7 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
     leaf_tiers, axes = setup(updates, leaves)
     rows = leaves.read(state, _tier_leaf.FIELDS)
     count, t = _per_leaf.next_count(state.count)
-    scalars = _step_scalars.tier_scalars(
-        [tier for tier, g in zip(leaf_tiers, leaves.arrays) if _per_leaf.trains(g)], b1, b2, t)
+    scalars = _step_scalars.tier_scalars(leaf_tiers, b1, b2, t)
     hashes = _tier_leaf.codec_path_hashes(leaf_tiers, leaves.paths, t)
     out = []
     for i, (tier, path, g, p, row, a) in enumerate(zip(

@@ -44,6 +44,7 @@ os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')
 import _common  # noqa: E402
 from _common import GIB, RESULTS  # noqa: E402
 
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -67,13 +68,13 @@ def peak_rows(device: Any, configs: list[str], optimizers: list[str]) -> list[di
   return rows
 
 
-def _compile_update(name: str, params: Any, sharding: Any) -> Any:
+def _compile_update(name: str, params: Any, sharding: Any, tier: str | None = None) -> Any:
   put = lambda t: jax.tree.map(  # noqa: E731
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
   if name == 'copy':  # the same streaming reference as step_time.py
     fn = jax.jit(lambda p: jax.tree.map(jax.numpy.negative, p), donate_argnums=0)
     return fn.lower(put(params)).compile()
-  tx = step_time.OPTIMIZERS[name]()
+  tx = step_time.optimizer(name, tier)
 
   def step(p, g, s):
     updates, s = tx.update(g, s, p)
@@ -96,7 +97,7 @@ def update_rows(device: Any, names: list[str], tree_name: str, dtype: str
   sharding = jax.sharding.SingleDeviceSharding(device)
   cfg = (get_config('paper-6.78b') if tree_name == 'paper-6.78b'
          else step_time.moe_config(dtype))
-  tree = abstract_params(cfg).to_pure_dict()
+  tree = nnx.to_pure_dict(abstract_params(cfg))
   trees = {'all': tree, 'experts': step_time.subtree(tree, 'experts'),
            'backbone': step_time.subtree(tree, 'backbone')}
   jobs = [('all', n) for n in names]
@@ -105,7 +106,8 @@ def update_rows(device: Any, names: list[str], tree_name: str, dtype: str
   rows = []
   for leaves, name in tqdm(jobs, desc='optimizer update', leave=False):
     params = trees[leaves]
-    compiled = _compile_update(name, params, sharding)
+    compiled = _compile_update(name, params, sharding,
+                               None if leaves == 'all' else leaves)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kernel_bytes, kernels = _common.hlo_kernel_bytes(compiled.as_text())

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import _common
 from _common import GIB, RESULTS
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,7 +138,7 @@ def llama_1_3b() -> dict[str, Any]:
 
 
 def paper_6_78b() -> Any:
-  return abstract_params(get_config('paper-6.78b')).to_pure_dict()
+  return nnx.to_pure_dict(abstract_params(get_config('paper-6.78b')))
 
 
 MODELS: dict[str, Callable[[], Any]] = {

@@ -348,7 +348,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     x = np.arange(len(mine))
     series = [('predicted (XLA memory_analysis)', 'predicted_bytes'), ('floor: weights+grads+state',
                                                           'floor_bytes')]
-    if 'measured_step_growth_bytes' in mine[0]:
+    if 'measured_peak_bytes' in mine[0]:  # a device allocator's own peak
+      series.append(('measured peak (device allocator)', 'measured_peak_bytes'))
+    elif 'measured_step_growth_bytes' in mine[0]:
       for r in mine:  # inputs as XLA counts them + what the step added to RSS
         r['_measured_total'] = r['argument_bytes'] + r['measured_step_growth_bytes']
       series.append(('arguments + measured RSS growth of the step', '_measured_total'))
@@ -391,13 +393,16 @@ def main() -> None:
   from tqdm import tqdm
   jobs = [(c, o) for c in args.configs for o in args.optimizers]
   rows = []
+  out = Path(args.out)
+  payload = {'command': _common.command(), 'machine': _common.machine(), 'rows': rows}
   for c, o in tqdm(jobs, desc='compile / run'):
     # The buffer-assignment dump of the first 6.78B compile explains its temp.
     explain = c == 'paper-6.78b' and not any(r['config'] == c for r in rows)
     rows.append(run_one(c, o, explain))
-  payload = {'command': _common.command(), 'machine': _common.machine(), 'rows': rows}
-  out = Path(args.out)
-  _common.write_json(out / 'peak_memory.json', payload)
+    # Written after every row: a run stopped part-way (a device lease running out)
+    # keeps the rows it finished.
+    _common.write_json_atomic(out / 'peak_memory.json',
+                              {**payload, 'complete': len(rows) == len(jobs)})
   backend = 'XLA:' + payload['machine']['backend'].upper()
   md = '\n'.join([f'## Peak memory of one training step ({backend} memory_analysis)', '',
                   f"`{payload['command']}`", '', _common.machine_line(payload['machine']),

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import _common  # also puts the repo root on sys.path
 from _common import RESULTS
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,7 +92,7 @@ def moe_config(dtype: str, width: int = 512):
 
 def make_tree(dtype: str, seed: int, width: int = 512) -> tuple[Any, Any]:
   """Concrete (params, grads) of the MoE-shaped tree as plain nested dicts."""
-  abstract = abstract_params(moe_config(dtype, width)).to_pure_dict()
+  abstract = nnx.to_pure_dict(abstract_params(moe_config(dtype, width)))
   leaves, treedef = jax.tree.flatten(abstract)
   keys = jax.random.split(jax.random.key(seed), 2 * len(leaves))
   params = [(0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
@@ -119,6 +120,15 @@ def subtree(tree: Any, tier: str) -> Any:
   return keep(tree, labels)
 
 
+def optimizer(opt: str, tier: str | None = None) -> optax.GradientTransformation:
+  """`OPTIMIZERS[opt]()`; SkewAdam on the sub-tree of one `tier` with that tier said
+  outright (a sub-tree without the router would leave the labeler to guess)."""
+  if tier is not None and opt == 'skewadam':
+    return sj.skewadam(LR, weight_decay=WD,
+                       param_labels=lambda tree: jax.tree.map(lambda _: tier, tree))
+  return OPTIMIZERS[opt]()
+
+
 def init_fn(opt: str, tx: optax.GradientTransformation, f32_state: bool) -> Callable:
   """`tx.init`, or with `f32_state` for `F32_STATE_INIT` on a float32 view of the params."""
   return _common.init_on_float32(tx) if f32_state and opt in F32_STATE_INIT else tx.init
@@ -128,7 +138,7 @@ class Runner:
   """A compiled, donated step and the buffers it cycles through."""
 
   def __init__(self, name: str, params: Any, grads: Any, opt: str | None = None,
-               f32_state: bool = False):
+               f32_state: bool = False, tier: str | None = None):
     self.name = name
     opt = opt or name
     copy_of = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
@@ -144,7 +154,7 @@ class Runner:
         return self.args[0]
       self.call = call
     else:
-      tx = OPTIMIZERS[opt]()
+      tx = optimizer(opt, tier)
 
       def step(p, g, s):
         updates, s = tx.update(g, s, p)
@@ -193,7 +203,9 @@ def run(names: list[str], dtype: str, rounds: int, warmup: int, by_tier: bool,
       p, g = subtree(params, tier), subtree(grads, tier)
       for opt in ('adamw', 'skewadam'):
         tier_runners[f'{opt}|{tier}'] = Runner(f'{opt}|{tier}', p, g, opt=opt,
-                                               f32_state=f32_state)
+                                               f32_state=f32_state, tier=tier)
+  # Each runner holds its own copy of the weights: at the published size one copy less.
+  del params
   all_runners = {**runners, **tier_runners}
   for _ in range(warmup):
     for r in all_runners.values():

@@ -33,7 +33,7 @@ compile time is that code generation, with a fixed cost per module (about 20-30 
   python benchmarks/compile_time.py                     # both steps, 3 rounds
   python benchmarks/compile_time.py --steps model --rounds 5
   python benchmarks/compile_time.py --steps model --optimizers skewadam-muon-tiers
-  python benchmarks/compile_time.py --kernel-cost       # compile time per kernel
+  python benchmarks/compile_time.py --kernel-cost       # compile time per kernel, by op
   python benchmarks/compile_time.py --steps model --rounds 5 --out \
       benchmarks/results/compile_time_coded_tiers --optimizers skewadam-muon-coded-tiers \
       skewadam-muon-coded-fp32 skewadam-muon-coded-fp32-hidden \
@@ -224,15 +224,27 @@ def generated_code(name: str, which: str, preset: str) -> dict[str, Optional[flo
             'llvm_ir_kb': sum(f.stat().st_size for f in files) / 1000}
 
 
-def kernel_cost(counts: tuple[int, ...] = (10, 80)) -> list[tuple[int, float]]:
-  """The compile CPU time of one jit holding `n` distinct small kernels (`x * 2 + 1` on
-  `n` shapes [17 + i, 33]), for each `n`: what each kernel costs however little it
-  computes (XLA:CPU compiles one LLVM module per distinct kernel)."""
+# Kernels of `--kernel-cost`: one elementwise expression each, on a float32 array.
+KERNEL_OPS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    'x * 2 + 1': lambda x: x * 2.0 + 1.0,
+    '3 / x': lambda x: 3.0 / x,
+    'sqrt(x)': jnp.sqrt,
+    'rsqrt(x)': jax.lax.rsqrt,  # also what XLA makes of `a / sqrt(x)`
+    'x ** -0.5': lambda x: x ** -0.5,
+}
+
+
+def kernel_cost(counts: tuple[int, ...] = (10, 80), op: str = 'x * 2 + 1'
+                ) -> list[tuple[int, float]]:
+  """The compile CPU time of one jit holding `n` distinct small kernels (`op`, a key of
+  `KERNEL_OPS`, on `n` shapes [17 + i, 33]), for each `n`: what each kernel costs however
+  little it computes (XLA:CPU compiles one LLVM module per distinct kernel)."""
   jax.jit(lambda x: x + 1).lower(jnp.float32(0)).compile()  # backend start-up
+  fn = KERNEL_OPS[op]
   out = []
   for n in counts:
     args = [jax.ShapeDtypeStruct((17 + i, 33), jnp.float32) for i in range(n)]
-    lowered = jax.jit(lambda xs: [x * 2.0 + 1.0 for x in xs]).lower(args)
+    lowered = jax.jit(lambda xs: [fn(jnp.maximum(x, 1e-8)) for x in xs]).lower(args)
     c0 = time.process_time()
     lowered.compile()
     out.append((n, time.process_time() - c0))
@@ -263,9 +275,10 @@ def main() -> None:
                   help="only measure XLA's compile CPU time per distinct kernel and exit")
   args = ap.parse_args()
   if args.kernel_cost:
-    for n, seconds in kernel_cost():
-      print(f'{n:3d} distinct kernels: {seconds:.2f} s of compile CPU time, '
-            f'{1000 * seconds / n:.1f} ms per kernel')
+    print('| kernel | distinct kernels | compile CPU (s) | ms per kernel |\n|---|---:|---:|---:|')
+    for op in KERNEL_OPS:
+      for n, seconds in kernel_cost(op=op):
+        print(f'| `{op}` | {n} | {seconds:.2f} | {1000 * seconds / n:.1f} |', flush=True)
     return
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
 

@@ -153,9 +153,10 @@ def test_compile_time_counts_the_steps_generated_code():
 
 def test_compile_time_kernel_cost_compiles_one_jit_per_count():
   import compile_time
-  out = compile_time.kernel_cost((1, 3))
-  assert [n for n, _ in out] == [1, 3]
-  assert all(seconds > 0 for _, seconds in out)
+  for op in compile_time.KERNEL_OPS:
+    out = compile_time.kernel_cost((1, 3), op)
+    assert [n for n, _ in out] == [1, 3]
+    assert all(seconds > 0 for _, seconds in out)
 
 
 def test_compile_time_model_step_traces_the_optimizer_init_only():

@@ -1,6 +1,8 @@
 """The step count's functions of every tier (`transforms.step_scalars`): their values
 against float64 formulas, and one kernel for all of them."""
 
+import re
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -69,5 +71,20 @@ def test_the_step_counts_functions_compile_to_one_kernel(policy):
   state = tx.init(params)
   hlo = jax.jit(tx.update).lower(params, state, params).compile().as_text()
   fused = [c for c in hlo.split('\n\n') if c.lstrip().startswith('%fused')]
-  with_power = [c.split(' ', 1)[0] for c in fused if ' power(' in c]
+  with_power = [c.split(' ', 1)[0] for c in fused if _step_count_powers(c)]
   assert len(with_power) == 1, with_power
+
+
+def _step_count_powers(computation: str) -> int:
+  """The `power`s of an HLO computation whose exponent is not a constant (square
+  roots of small operands are `x ** 0.5`, `core.xla.sqrt`)."""
+  defs = dict(re.findall(r'(%[\w.\-]+) = \S+ (.*)', computation))
+
+  def constant(name: str) -> bool:
+    op = defs.get(name, '')
+    if op.startswith('broadcast('):
+      return constant(re.match(r'broadcast\((%[\w.\-]+)', op).group(1))
+    return op.startswith('constant(')
+
+  return sum(not constant(exponent) for exponent in
+             re.findall(r' power\(%[\w.\-]+, (%[\w.\-]+)\)', computation))

@@ -84,3 +84,41 @@ def test_materialized_value_is_a_conditional_on_the_cpu_only():
   # XLA:CPU keeps it through its optimisations (the kernels read the stored value).
   if jax.default_backend() == 'cpu':
     assert 'conditional(' in jax.jit(f).lower(*args).compile().as_text()
+
+
+# Bound of `sqrt` and `rsqrt` against float64: XLA's `power` is correctly rounded on the
+# CPU (0.5 ulp); its `rsqrt` is within 2; 2 ulp holds for both on any backend we run.
+ROOT_ULPS = 2.0
+
+
+def _ulps(got, want64):
+  want32 = want64.astype(np.float32)
+  return np.max(np.abs(np.asarray(got, np.float64) - want64)
+                / np.spacing(np.abs(want32)).astype(np.float64))
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.sampled_from([1, 7, 33, xla.SMALL_ELEMENTS, xla.SMALL_ELEMENTS + 1]),
+       seed=st.integers(0, 2**31 - 1), log_range=st.floats(-80.0, 80.0))
+def test_square_roots_of_small_and_large_operands_against_float64(n, seed, log_range):
+  # Positive values over many binades, around 2**log_range.
+  rng = np.random.default_rng(seed)
+  x = np.exp2(log_range + rng.uniform(-8, 8, n)).astype(np.float32)
+  x64 = x.astype(np.float64)
+  for f, want in ((xla.sqrt, np.sqrt(x64)), (xla.rsqrt, 1 / np.sqrt(x64))):
+    for got in (f(jnp.asarray(x)), jax.jit(f)(jnp.asarray(x))):
+      assert got.dtype == jnp.float32 and got.shape == x.shape
+      assert _ulps(got, want) <= ROOT_ULPS
+
+
+def test_square_roots_are_powers_for_small_operands_only():
+  # The point of them: no `sqrt` / `rsqrt` (vectorised polynomials in every kernel that
+  # holds them) in the program for small operands; the fast instructions for large ones.
+  def ops(f, n):
+    hlo = jax.jit(lambda x: 3.0 / f(x)).lower(
+        jax.ShapeDtypeStruct((n,), jnp.float32)).compile().as_text()
+    return {op for op in ('power', 'sqrt', 'rsqrt') if f' {op}(' in hlo}
+
+  for f in (xla.sqrt, xla.rsqrt):
+    assert ops(f, xla.SMALL_ELEMENTS) == {'power'}
+    assert 'power' not in ops(f, xla.SMALL_ELEMENTS + 1)

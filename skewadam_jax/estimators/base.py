@@ -193,7 +193,7 @@ def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], layo
   operands too, or XLA materialises their full-size broadcast, shared by both passes.
   """
   u = u_of(*_xla.cpu_barrier(operands))
-  rms = jnp.sqrt(jnp.mean(u * u, axis=layout.matrix, keepdims=True))
+  rms = _xla.sqrt(jnp.mean(u * u, axis=layout.matrix, keepdims=True))
   return jnp.maximum(1.0, rms / clip)
 
 

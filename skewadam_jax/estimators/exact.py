@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
+from skewadam_jax.core import xla as _xla
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.estimators.base import Spec
 from skewadam_jax.estimators.base import Stats
@@ -57,8 +58,8 @@ class Exact(_second_moment.SecondMoment):
 
     def u_of(x_, v_, scale, eps_, bc2_):
       if floor:
-        return x_.astype(jnp.float32) * scale / jnp.sqrt(jnp.maximum(v_, eps_))
-      return x_.astype(jnp.float32) * scale / (jnp.sqrt(v_ / bc2_) + eps_)
+        return x_.astype(jnp.float32) * scale * _xla.rsqrt(jnp.maximum(v_, eps_))
+      return x_.astype(jnp.float32) * scale / (_xla.sqrt(v_ / bc2_) + eps_)
 
     operands = (x, v, step.num_scale, jnp.asarray(step.eps, jnp.float32), step.bc2)
     layout = _second_moment.Layout.of(g.ndim, self.batch_axes)

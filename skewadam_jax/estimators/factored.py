@@ -138,8 +138,8 @@ class Factored(_second_moment.SecondMoment):
     def u_of(x_, row_d, col_d, scale, eps_):
       return x_.astype(jnp.float32) * scale / (row_d * col_d + eps_)
 
-    operands = (x, _row_factor(layout, jnp.sqrt(rows)),
-                _col_factor(layout, jnp.sqrt(v_col / step.bc2)), step.num_scale,
+    operands = (x, _row_factor(layout, _xla.sqrt(rows)),
+                _col_factor(layout, _xla.sqrt(v_col / step.bc2)), step.num_scale,
                 jnp.asarray(step.eps, jnp.float32))
     return _second_moment.clipped(u_of, operands, layout, step.clip), new
 
@@ -157,8 +157,8 @@ def _separable_update(layout: Layout, x: jax.Array, rows: jax.Array, v_col: jax.
   The clip needs only `sum_j (x_ij b_j)^2` per row, and the final pass multiplies by
   per-row and per-column factors: no full-size temporary.
   """
-  col_inv = jax.lax.rsqrt(jnp.maximum(v_col, step.eps))
-  row_scale = step.num_scale * jax.lax.rsqrt(jnp.maximum(rows, step.eps))
+  col_inv = _xla.rsqrt(jnp.maximum(v_col, step.eps))
+  row_scale = step.num_scale * _xla.rsqrt(jnp.maximum(rows, step.eps))
   if step.clip is not None:
     # The barrier keeps XLA from sharing this pass's products with the final pass.
     xb, cb = _xla.cpu_barrier((x, col_inv))
@@ -168,7 +168,7 @@ def _separable_update(layout: Layout, x: jax.Array, rows: jax.Array, v_col: jax.
     size = layout.matrix_size(x.shape)
     ms = jnp.sum(sumsq * jnp.square(row_scale), axis=_rows_in_v_row(layout),
                  keepdims=True) / size
-    row_scale = row_scale / jnp.maximum(1.0, jnp.sqrt(ms) / step.clip)
+    row_scale = row_scale / jnp.maximum(1.0, _xla.sqrt(ms) / step.clip)
   return x.astype(jnp.float32) * _row_factor(layout, row_scale) * _col_factor(layout, col_inv)
 
 

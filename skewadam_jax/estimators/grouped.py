@@ -64,7 +64,7 @@ def _pooled_clip_divisor(pooled_sq: jax.Array, denom: jax.Array, num_scale: Any,
   """
   counts = _group_counts(shape[axis], group_size, len(shape) - axis - 1)
   terms = pooled_sq * jnp.asarray(counts) * jnp.square(num_scale / denom)
-  rms = jnp.sqrt(jnp.sum(terms, axis=layout.matrix, keepdims=True)
+  rms = _xla.sqrt(jnp.sum(terms, axis=layout.matrix, keepdims=True)
                  / layout.matrix_size(shape))
   return jnp.maximum(1.0, rms / clip)
 
@@ -92,7 +92,7 @@ def _reshaped_clip_divisor(x: jax.Array, denom: jax.Array, num_scale: Any,
           / layout.matrix_size(shape))
   else:
     ms = jnp.mean(u * u)
-  return jnp.maximum(1.0, jnp.sqrt(ms) / clip)
+  return jnp.maximum(1.0, _xla.sqrt(ms) / clip)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,7 +89,7 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   transposed = x.shape[-2] > x.shape[-1]
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
-  norm = jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+  norm = _xla.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
   x = x / (norm + eps)
   for _ in range(steps):
     gram = x @ jnp.swapaxes(x, -1, -2)
@@ -264,7 +264,7 @@ class Orthogonal(_second_moment.SecondMoment):
     # The floor mode's sqrt(bc2) only rescales `x`, which the normalisation undoes.
     s = step.bc1_scale
     if s is None:
-      s = step.num_scale / jnp.sqrt(step.bc2) if step.floor else step.num_scale
+      s = step.num_scale * _xla.rsqrt(step.bc2) if step.floor else step.num_scale
     perm = batch + rows + (col,)
     mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(-1, r, c)
     scale = (self.rms_scale * math.sqrt(max(r, c)) if self.rms_scale is not None

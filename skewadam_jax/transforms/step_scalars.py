@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from skewadam_jax.core import checks as _checks
+from skewadam_jax.core import xla as _xla
 from skewadam_jax.transforms.tier import Tier
 
 
@@ -74,7 +75,7 @@ def tier_scalars(tiers: Sequence[Tier], b1: Any, b2: Any, t: jax.Array
   a, b, uses_b, root, c, d, uses_c = (list(col) for col in zip(*rows))
   ones = np.ones(len(rows), np.float32)
   x = 1.0 - _vector(b) ** t
-  x = jax.lax.select(np.asarray(root), jnp.sqrt(x), x)
+  x = jax.lax.select(np.asarray(root), _xla.sqrt(x), x)
   x = jax.lax.select(np.asarray(uses_b), x, ones)
   y = jax.lax.select(np.asarray(uses_c), 1.0 - _vector(c) ** (t + _vector(d)), ones)
   table = _vector(a) * x / y

@@ -244,6 +244,7 @@ def kernel_cost(counts: tuple[int, ...] = (10, 80), op: str = 'x * 2 + 1'
   out = []
   for n in counts:
     args = [jax.ShapeDtypeStruct((17 + i, 33), jnp.float32) for i in range(n)]
+    # The floor keeps the roots' operands positive, as an optimizer's `max(v, eps)` does.
     lowered = jax.jit(lambda xs: [fn(jnp.maximum(x, 1e-8)) for x in xs]).lower(args)
     c0 = time.process_time()
     lowered.compile()

@@ -307,24 +307,30 @@ def main() -> None:
     for name in names:
       mine = runs[which][name]
       ratio = float(np.median([m['total_s'] / b['total_s'] for m, b in zip(mine, base)]))
-      cpu_ratio = float(np.median([m['total_cpu_s'] / b['total_cpu_s']
-                                   for m, b in zip(mine, base)]))
+      cpu_ratios = [m['total_cpu_s'] / b['total_cpu_s'] for m, b in zip(mine, base)]
+      cpu_ratio = float(np.median(cpu_ratios))
+      # The spread of the rounds: on a shared machine a single round's ratio moves by
+      # +-0.1, so a median near a goal needs its quartiles beside it.
+      cpu_iqr = [float(q) for q in np.percentile(cpu_ratios, [25, 75])]
       med = {k: float(np.median([m[k] for m in mine])) for k in mine[0]}
       gen = code[which].get(name, {'llvm_modules': None, 'llvm_ir_kb': None})
       base_ir = code[which].get('adamw', {}).get('llvm_ir_kb')
       ir_ratio = (gen['llvm_ir_kb'] / base_ir if gen['llvm_ir_kb'] is not None and base_ir
                   else None)
       results.setdefault(which, {})[name] = dict(med, ratio_vs_adamw=ratio,
-                                                 cpu_ratio_vs_adamw=cpu_ratio, **gen,
+                                                 cpu_ratio_vs_adamw=cpu_ratio,
+                                                 cpu_ratio_iqr=cpu_iqr, **gen,
                                                  llvm_ir_ratio_vs_adamw=ir_ratio, rounds=mine)
       rows.append([which, LABELS[name], f"{med['lower_s']:.2f}", f"{med['compile_s']:.2f}",
                    f"{med['total_s']:.2f}", f'{ratio:.2f}x', f"{med['lower_cpu_s']:.2f}",
-                   f"{med['compile_cpu_s']:.2f}", f'{cpu_ratio:.2f}x',
+                   f"{med['compile_cpu_s']:.2f}",
+                   f'{cpu_ratio:.2f}x [{cpu_iqr[0]:.2f}-{cpu_iqr[1]:.2f}]',
                    int(med['hlo_instructions']), int(med['kernels']),
                    '-' if gen['llvm_modules'] is None else int(gen['llvm_modules']),
                    '-' if ir_ratio is None else f"{gen['llvm_ir_kb']:.0f} ({ir_ratio:.2f}x)"])
   header = ['step', 'optimizer', 'trace + lower (s)', 'compile (s)', 'total (s)',
-            'vs adamw', 'trace + lower, CPU (s)', 'compile, CPU (s)', 'vs adamw, CPU',
+            'vs adamw', 'trace + lower, CPU (s)', 'compile, CPU (s)',
+            'vs adamw, CPU [quartiles of rounds]',
             'HLO instructions', 'kernels', 'LLVM modules', 'LLVM IR, KB (vs adamw)']
   table = _common.markdown_table(header, rows)
   m = _common.machine()
@@ -345,7 +351,8 @@ def main() -> None:
 
 def _plot(results: dict[str, Any], path: Any) -> None:
   """Per step: each optimizer's compile-time ratio to AdamW (bars: the median over rounds
-  of CPU-time ratios, as the table) and its generated LLVM IR's ratio (dots)."""
+  of CPU-time ratios, as the table; whiskers: their quartiles) and its generated LLVM IR's
+  ratio (dots)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -357,8 +364,12 @@ def _plot(results: dict[str, Any], path: Any) -> None:
     ratios = [results[which][n]['cpu_ratio_vs_adamw'] for n in names]
     ir = [results[which][n].get('llvm_ir_ratio_vs_adamw') for n in names]
     x = np.arange(len(names))
+    iqr = np.array([results[which][n].get('cpu_ratio_iqr', [r, r])
+                    for n, r in zip(names, ratios)])
     ax.bar(x, ratios, color=(['0.5'] + [f'C{i}' for i in range(len(names) - 1)]),
            label='trace + lower + compile, CPU time')
+    ax.errorbar(x, ratios, yerr=[np.subtract(ratios, iqr[:, 0]), iqr[:, 1] - ratios],
+                fmt='none', ecolor='k', capsize=4, lw=1, label='quartiles of the rounds')
     if any(r is not None for r in ir):
       ax.plot([i for i, r in zip(x, ir) if r is not None], [r for r in ir if r is not None],
               'kD', ms=5, label='generated LLVM IR')
@@ -369,7 +380,7 @@ def _plot(results: dict[str, Any], path: Any) -> None:
     ax.set_xticks(x, [LABELS[n] for n in names])
     ax.set_ylabel('x optax.adamw (median of rounds)')
     ax.set_title(f'{which}: first-step compile vs optax.adamw', fontsize=10)
-    ax.set_ylim(0, max(ratios + [r for r in ir if r is not None]) + 0.25)
+    ax.set_ylim(0, max(list(iqr[:, 1]) + [r for r in ir if r is not None]) + 0.25)
     ax.legend(fontsize=7, loc='upper left', ncol=3)
     ax.tick_params(axis='x', labelsize=7, labelrotation=20)
   fig.tight_layout()

@@ -34,6 +34,8 @@ compile time is that code generation, with a fixed cost per module (about 20-30 
   python benchmarks/compile_time.py --steps model --rounds 5
   python benchmarks/compile_time.py --steps model --optimizers skewadam-muon-tiers
   python benchmarks/compile_time.py --kernel-cost       # compile time per kernel, by op
+  python benchmarks/compile_time.py --steps model --rounds 5 --phases
+                                                        # XLA's phases, by its own timers
   python benchmarks/compile_time.py --steps model --rounds 5 --out \
       benchmarks/results/compile_time_coded_tiers --optimizers skewadam-muon-coded-tiers \
       skewadam-muon-coded-fp32 skewadam-muon-coded-fp32-hidden \
@@ -224,6 +226,37 @@ def generated_code(name: str, which: str, preset: str) -> dict[str, Optional[flo
             'llvm_ir_kb': sum(f.stat().st_size for f in files) / 1000}
 
 
+# XLA:CPU's own timers, printed at VLOG level 1 (`TF_CPP_MAX_VLOG_LEVEL=1`), each line
+# `<what> time: <t> (<us> us) (cumulative: ...)` when its scope ends.
+_TIMER = re.compile(r'\] (.*?) time: [^(]*\((\d+) us\)')
+PHASES = {  # column -> what the timer's name starts with (the step's module: jit_step)
+    'hlo_passes_ms': 'Running HLO passes on [jit_step]',
+    'copy_insertion_ms': 'HLO pass: copy-insertion',
+    'kernels_ms': 'Compiled ',  # each kernel's LLVM (and MLIR) module, summed
+    'backend_ms': 'Compiling [jit_step]',
+}
+
+
+def xla_phases(name: str, which: str, preset: str) -> dict[str, float]:
+  """Where XLA:CPU's compile of the step spends its time, by its own timers, from a
+  fresh process: HLO passes (of which copy insertion), the kernels' module compiles
+  (summed over kernels: threads overlap), the whole backend (code generation). Only the
+  step's compile is counted: every timer line after the start-up compile's last."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='0', TF_CPP_MAX_VLOG_LEVEL='1')
+  err = subprocess.run([sys.executable, __file__, '--one', which, name, '--preset', preset],
+                       check=True, capture_output=True, text=True, env=env).stderr
+  timers = [(m.group(1), int(m.group(2)) / 1000) for m in _TIMER.finditer(err)]
+  done = [i for i, (what, _) in enumerate(timers)
+          if what.startswith('Compiling [') and '[jit_step]' not in what]
+  step = timers[done[-1] + 1:] if done else timers
+  out = {key: sum(ms for what, ms in step if what.startswith(prefix))
+         for key, prefix in PHASES.items()}
+  if not out['backend_ms']:
+    raise RuntimeError('No XLA:CPU compile timers in the output of this jaxlib at '
+                       'TF_CPP_MAX_VLOG_LEVEL=1: --phases needs them.')
+  return out
+
+
 # Kernels of `--kernel-cost`: one elementwise expression each, on a float32 array.
 KERNEL_OPS: dict[str, Callable[[jax.Array], jax.Array]] = {
     'x * 2 + 1': lambda x: x * 2.0 + 1.0,
@@ -274,7 +307,13 @@ def main() -> None:
                   help="skip counting the step's LLVM modules and IR (XLA:CPU)")
   ap.add_argument('--kernel-cost', action='store_true',
                   help="only measure XLA's compile CPU time per distinct kernel and exit")
+  ap.add_argument('--phases', action='store_true',
+                  help="only measure, by XLA:CPU's own timers, where each step's compile "
+                  'spends its time (HLO passes, kernels, backend) and exit')
   args = ap.parse_args()
+  if args.phases:
+    _phases(args)
+    return
   if args.kernel_cost:
     print('| kernel | distinct kernels | compile CPU (s) | ms per kernel |\n|---|---:|---:|---:|')
     for op in KERNEL_OPS:
@@ -347,6 +386,40 @@ def main() -> None:
                       'results': results})
   out.with_suffix('.md').write_text(text)
   _plot(results, out.with_suffix('.png'))
+
+
+def _phases(args: argparse.Namespace) -> None:
+  """`--phases`: the median of each phase of XLA's compile over `args.rounds`
+  interleaved fresh processes, per step and optimizer; a table, and JSON and Markdown
+  next to `args.out` (suffix `_phases`)."""
+  names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
+  runs = {w: {n: [] for n in names} for w in args.steps}
+  with tqdm(total=len(args.steps) * args.rounds * len(names), desc='XLA phases') as bar:
+    for r in range(args.rounds):
+      for which in args.steps:
+        for name in names[r % len(names):] + names[:r % len(names)]:
+          bar.set_postfix_str(f'{which}/{name}')
+          runs[which][name].append(xla_phases(name, which, args.preset))
+          bar.update()
+  rows, results = [], {}
+  for which in args.steps:
+    for name in names:
+      med = {k: float(np.median([d[k] for d in runs[which][name]])) for k in PHASES}
+      results.setdefault(which, {})[name] = dict(med, rounds=runs[which][name])
+      rows.append([which, LABELS[name]] + [f'{med[k]:.0f}' for k in PHASES])
+  header = ['step', 'optimizer', 'HLO passes (ms)', 'of which copy insertion (ms)',
+            'kernel modules, summed (ms)', 'backend (ms)']
+  text = (f'{_common.markdown_table(header, rows)}\n\nmedian of {args.rounds} interleaved '
+          "rounds, a fresh process per sample, XLA:CPU's timers (TF_CPP_MAX_VLOG_LEVEL=1: "
+          'wall-clock time of each scope; kernel modules compile on several threads); '
+          f'{_common.machine_line(_common.machine())}\n\n`{_common.command()}`\n')
+  print(text)
+  out = Path(f'{args.out}_phases')
+  out.parent.mkdir(parents=True, exist_ok=True)
+  _common.write_json(out.with_suffix('.json'), {'command': _common.command(),
+                                                'machine': _common.machine(),
+                                                'results': results})
+  out.with_suffix('.md').write_text(text)
 
 
 def _plot(results: dict[str, Any], path: Any) -> None:

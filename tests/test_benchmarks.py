@@ -151,6 +151,17 @@ def test_compile_time_counts_the_steps_generated_code():
   assert 100 < adamw['llvm_ir_kb'] < adampm['llvm_ir_kb']
 
 
+@pytest.mark.skipif(jax.default_backend() != 'cpu', reason="XLA:CPU's compile timers")
+def test_compile_time_phases_are_the_steps_compile():
+  # XLA's timers of the step's compile only (the start-up compile's come first and are
+  # left out): passes, of which copy insertion, and a backend that compiles the kernels.
+  import compile_time
+  phases = compile_time.xla_phases('adamw', 'model', 'small')
+  assert set(phases) == set(compile_time.PHASES)
+  assert 0 < phases['copy_insertion_ms'] < phases['hlo_passes_ms']
+  assert 0 < phases['kernels_ms'] and 0 < phases['backend_ms']
+
+
 def test_compile_time_kernel_cost_compiles_one_jit_per_count():
   import compile_time
   for op in compile_time.KERNEL_OPS:

@@ -337,7 +337,10 @@ def muon_dimension_numbers(params: Any) -> Any:
   Embeddings (tied with the output head), positions, norms and the router return None,
   i.e. they are trained by Muon's Adam branch, as is conventional.
   """
-  labels = sj.moe_param_labels(params)
+  # optax's muon also calls this on the sub-tree of the leaves it orthogonalises, which
+  # holds no router: a rule names this model's expert bank, so that its labels do not
+  # hang on the router's presence (without it they are a guess, and say so).
+  labels = sj.moe_param_labels(params, [('moe/experts', 'experts')])
   flat_labels = jax.tree_util.tree_structure(params).flatten_up_to(labels)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   out = []

@@ -390,8 +390,8 @@ def main() -> None:
 
 def _phases(args: argparse.Namespace) -> None:
   """`--phases`: the median of each phase of XLA's compile over `args.rounds`
-  interleaved fresh processes, per step and optimizer; a table, and JSON and Markdown
-  next to `args.out` (suffix `_phases`)."""
+  interleaved fresh processes, per step and optimizer; a table, and JSON, Markdown and a
+  plot next to `args.out` (suffix `_phases`)."""
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
   runs = {w: {n: [] for n in names} for w in args.steps}
   with tqdm(total=len(args.steps) * args.rounds * len(names), desc='XLA phases') as bar:
@@ -420,6 +420,34 @@ def _phases(args: argparse.Namespace) -> None:
                                                 'machine': _common.machine(),
                                                 'results': results})
   out.with_suffix('.md').write_text(text)
+  _phases_plot(results, out.with_suffix('.png'))
+
+
+def _phases_plot(results: dict[str, Any], path: Any) -> None:
+  """Per step: each optimizer's HLO passes (copy insertion marked) and backend, the
+  medians of `--phases`, in seconds."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  steps = list(results)
+  fig, axes = plt.subplots(1, len(steps), figsize=(7 * len(steps), 4.2), squeeze=False)
+  for ax, which in zip(axes[0], steps):
+    names = list(results[which])
+    sec = {k: np.array([results[which][n][k] for n in names]) / 1000 for k in PHASES}
+    x = np.arange(len(names))
+    ax.bar(x, sec['hlo_passes_ms'], color='C0', label='HLO passes')
+    ax.bar(x, sec['copy_insertion_ms'], color='C9', width=0.4,
+           label='of which copy insertion')
+    ax.bar(x, sec['backend_ms'], bottom=sec['hlo_passes_ms'], color='C1',
+           label='backend (code generation)')
+    ax.set_xticks(x, [LABELS[n] for n in names])
+    ax.set_ylabel('s (median of rounds, wall clock)')
+    ax.set_title(f"{which}: XLA:CPU's compile phases", fontsize=10)
+    ax.legend(fontsize=7, loc='upper left')
+    ax.tick_params(axis='x', labelsize=7, labelrotation=20)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
 
 
 def _plot(results: dict[str, Any], path: Any) -> None:

@@ -323,17 +323,7 @@ def main() -> None:
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
 
   load_before = _common.load_average()
-  runs: dict[str, dict[str, list[dict[str, float]]]] = {
-      w: {n: [] for n in names} for w in args.steps}
-  total = len(args.steps) * args.rounds * len(names)
-  with tqdm(total=total, desc='compiling') as bar:
-    for r in range(args.rounds):
-      for which in args.steps:
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-          bar.set_postfix_str(f'{which}/{name}')
-          runs[which][name].append(compile_in_fresh_process(name, which, args.preset))
-          bar.update()
+  runs = _interleaved(args, names, compile_in_fresh_process, 'compiling')
   code: dict[str, dict[str, dict[str, Optional[float]]]] = {w: {} for w in args.steps}
   if args.generated_code:
     for which in args.steps:
@@ -388,19 +378,30 @@ def main() -> None:
   _plot(results, out.with_suffix('.png'))
 
 
+def _interleaved(args: argparse.Namespace, names: list[str],
+                 sample: Callable[[str, str, str], dict[str, float]], desc: str
+                 ) -> dict[str, dict[str, list[dict[str, float]]]]:
+  """`sample(name, step, preset)` for every step and optimizer, `args.rounds` times:
+  each round runs every optimizer once, in an order rotated by one per round, so that
+  load from other processes hits all of them alike. Returns step -> name -> samples."""
+  runs: dict[str, dict[str, list[dict[str, float]]]] = {
+      w: {n: [] for n in names} for w in args.steps}
+  with tqdm(total=len(args.steps) * args.rounds * len(names), desc=desc) as bar:
+    for r in range(args.rounds):
+      for which in args.steps:
+        for name in names[r % len(names):] + names[:r % len(names)]:
+          bar.set_postfix_str(f'{which}/{name}')
+          runs[which][name].append(sample(name, which, args.preset))
+          bar.update()
+  return runs
+
+
 def _phases(args: argparse.Namespace) -> None:
   """`--phases`: the median of each phase of XLA's compile over `args.rounds`
   interleaved fresh processes, per step and optimizer; a table, and JSON, Markdown and a
   plot next to `args.out` (suffix `_phases`)."""
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
-  runs = {w: {n: [] for n in names} for w in args.steps}
-  with tqdm(total=len(args.steps) * args.rounds * len(names), desc='XLA phases') as bar:
-    for r in range(args.rounds):
-      for which in args.steps:
-        for name in names[r % len(names):] + names[:r % len(names)]:
-          bar.set_postfix_str(f'{which}/{name}')
-          runs[which][name].append(xla_phases(name, which, args.preset))
-          bar.update()
+  runs = _interleaved(args, names, xla_phases, 'XLA phases')
   rows, results = [], {}
   for which in args.steps:
     for name in names:

@@ -183,9 +183,14 @@ def sqrt(x: jax.Array) -> jax.Array:
   holds 2 ulp). At run time `pow` is 1.5x slower per element than `rsqrt` on the CPU, so
   large operands keep `sqrt`.
   """
-  return x ** 0.5 if x.size <= SMALL_ELEMENTS else jax.numpy.sqrt(x)
+  return x ** 0.5 if _small(x) else jax.numpy.sqrt(x)
 
 
 def rsqrt(x: jax.Array) -> jax.Array:
   """`1 / sqrt(x)`; as `x ** -0.5` when `x` is small (see `sqrt`)."""
-  return x ** -0.5 if x.size <= SMALL_ELEMENTS else jax.lax.rsqrt(x)
+  return x ** -0.5 if _small(x) else jax.lax.rsqrt(x)
+
+
+def _small(x: jax.Array) -> bool:
+  """Whether `sqrt` and `rsqrt` compute `x`'s roots as powers."""
+  return x.size <= SMALL_ELEMENTS

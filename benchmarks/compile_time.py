@@ -226,9 +226,15 @@ def generated_code(name: str, which: str, preset: str) -> dict[str, Optional[flo
             'llvm_ir_kb': sum(f.stat().st_size for f in files) / 1000}
 
 
-# XLA:CPU's own timers, printed at VLOG level 1 (`TF_CPP_MAX_VLOG_LEVEL=1`), each line
-# `<what> time: <t> (<us> us) (cumulative: ...)` when its scope ends.
+# XLA:CPU's own timers, printed at VLOG level 1 by the files below, each line
+# `<what> time: <t> (<us> us) (cumulative: ...)` when its scope ends. Only these files
+# log (`TF_CPP_VMODULE`): at `TF_CPP_MAX_VLOG_LEVEL=1` every file does, and the dataflow
+# analysis that copy insertion runs writes a line per HLO value (33 MB for 80 coded
+# leaves), which more than doubled the compile being timed and made copy insertion look
+# like the largest HLO pass (415 ms where it takes 23).
+TIMER_FILES = ('hlo_pass_pipeline', 'cpu_compiler', 'ir_compiler', 'fusion_compiler')
 _TIMER = re.compile(r'\] (.*?) time: [^(]*\((\d+) us\)')
+_LOGGED_FILE = re.compile(r'^[IWE]\d{4} [\d:.]+ +\d+ ([\w.]+)\.cc:\d+\]', re.M)
 PHASES = {  # column -> what the timer's name starts with (the step's module: jit_step)
     'hlo_passes_ms': 'Running HLO passes on [jit_step]',
     'copy_insertion_ms': 'HLO pass: copy-insertion',
@@ -237,14 +243,23 @@ PHASES = {  # column -> what the timer's name starts with (the step's module: ji
 }
 
 
+def timer_env() -> dict[str, str]:
+  """The environment in which XLA:CPU prints its compile timers and little else."""
+  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='0', TF_CPP_MAX_VLOG_LEVEL='0',
+              TF_CPP_VMODULE=','.join(f'{f}=1' for f in TIMER_FILES))
+
+
 def xla_phases(name: str, which: str, preset: str) -> dict[str, float]:
   """Where XLA:CPU's compile of the step spends its time, by its own timers, from a
   fresh process: HLO passes (of which copy insertion), the kernels' module compiles
-  (summed over kernels: threads overlap), the whole backend (code generation). Only the
-  step's compile is counted: every timer line after the start-up compile's last."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='0', TF_CPP_MAX_VLOG_LEVEL='1')
-  err = subprocess.run([sys.executable, __file__, '--one', which, name, '--preset', preset],
-                       check=True, capture_output=True, text=True, env=env).stderr
+  (summed over kernels: threads overlap), the whole backend (code generation); and the
+  step's compile CPU time in that process (`compile_cpu_s`: the timers' logging costs
+  little). Only the step's compile is counted: every timer line after the start-up
+  compile's last. `other_lines`: the log lines of files other than `TIMER_FILES` (a
+  few INFO lines; hundreds of thousands when every file logs at VLOG level 1)."""
+  proc = subprocess.run([sys.executable, __file__, '--one', which, name, '--preset', preset],
+                        check=True, capture_output=True, text=True, env=timer_env())
+  err = proc.stderr
   timers = [(m.group(1), int(m.group(2)) / 1000) for m in _TIMER.finditer(err)]
   done = [i for i, (what, _) in enumerate(timers)
           if what.startswith('Compiling [') and '[jit_step]' not in what]
@@ -252,8 +267,11 @@ def xla_phases(name: str, which: str, preset: str) -> dict[str, float]:
   out = {key: sum(ms for what, ms in step if what.startswith(prefix))
          for key, prefix in PHASES.items()}
   if not out['backend_ms']:
-    raise RuntimeError('No XLA:CPU compile timers in the output of this jaxlib at '
-                       'TF_CPP_MAX_VLOG_LEVEL=1: --phases needs them.')
+    raise RuntimeError('No XLA:CPU compile timers in the output of this jaxlib with '
+                       f'TF_CPP_VMODULE={timer_env()["TF_CPP_VMODULE"]}: --phases needs '
+                       'them.')
+  out['compile_cpu_s'] = json.loads(proc.stdout.strip().splitlines()[-1])['compile_cpu_s']
+  out['other_lines'] = sum(1 for f in _LOGGED_FILE.findall(err) if f not in TIMER_FILES)
   return out
 
 
@@ -403,16 +421,20 @@ def _phases(args: argparse.Namespace) -> None:
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
   runs = _interleaved(args, names, xla_phases, 'XLA phases')
   rows, results = [], {}
+  keys = tuple(PHASES) + ('compile_cpu_s',)
   for which in args.steps:
     for name in names:
-      med = {k: float(np.median([d[k] for d in runs[which][name]])) for k in PHASES}
+      med = {k: float(np.median([d[k] for d in runs[which][name]])) for k in keys}
       results.setdefault(which, {})[name] = dict(med, rounds=runs[which][name])
-      rows.append([which, LABELS[name]] + [f'{med[k]:.0f}' for k in PHASES])
+      rows.append([which, LABELS[name]] + [f'{med[k]:.0f}' for k in PHASES]
+                  + [f"{med['compile_cpu_s']:.2f}"])
   header = ['step', 'optimizer', 'HLO passes (ms)', 'of which copy insertion (ms)',
-            'kernel modules, summed (ms)', 'backend (ms)']
+            'kernel modules, summed (ms)', 'backend (ms)', 'compile, CPU (s)']
+  files = ', '.join(f'{f}.cc' for f in TIMER_FILES)
   text = (f'{_common.markdown_table(header, rows)}\n\nmedian of {args.rounds} interleaved '
-          "rounds, a fresh process per sample, XLA:CPU's timers (TF_CPP_MAX_VLOG_LEVEL=1: "
-          'wall-clock time of each scope; kernel modules compile on several threads); '
+          "rounds, a fresh process per sample, XLA:CPU's timers (VLOG level 1 in "
+          f'{files} only: wall-clock time of each scope; kernel modules compile on '
+          'several threads; the last column is the compile of the same process); '
           f'{_common.machine_line(_common.machine())}\n\n`{_common.command()}`\n')
   print(text)
   out = Path(f'{args.out}_phases')

@@ -157,9 +157,12 @@ def test_compile_time_phases_are_the_steps_compile():
   # left out): passes, of which copy insertion, and a backend that compiles the kernels.
   import compile_time
   phases = compile_time.xla_phases('adamw', 'model', 'small')
-  assert set(phases) == set(compile_time.PHASES)
+  assert set(phases) == set(compile_time.PHASES) | {'compile_cpu_s', 'other_lines'}
   assert 0 < phases['copy_insertion_ms'] < phases['hlo_passes_ms']
   assert 0 < phases['kernels_ms'] and 0 < phases['backend_ms']
+  # Only the timers' files log at VLOG level 1: with every file on, XLA's dataflow
+  # analysis alone wrote hundreds of thousands of lines and doubled the timed compile.
+  assert phases['other_lines'] < 100 and 0 < phases['compile_cpu_s']
 
 
 def test_compile_time_kernel_cost_compiles_one_jit_per_count():

@@ -32,9 +32,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 import _common
+import compile_time
 import skewadam_jax as sj
 from skewadam_jax.transforms import tier_leaf
 
@@ -44,13 +44,7 @@ VARIANTS = ('float32', 'coded', 'coded, one leaf per shape')
 def coded_leaves(preset: str = 'small') -> list[tuple[tuple[int, ...], Any, float]]:
   """`(shape, codec, b1)` of each leaf of the example model that `MUON_CODED_TIERS`
   codes, in the order of its parameters."""
-  from flax import nnx
-
-  from examples.moe_lm import model as model_lib
-  from examples.moe_lm import train as train_lib
-
-  cfg = model_lib.get_config(preset)
-  _, params, _ = nnx.eval_shape(lambda: train_lib.init_model(cfg, 0))
+  params = compile_time.model_parts(preset)[1]
   tiers = sj.MUON_CODED_TIERS
   table = sj.label_table(sj.skewadam(1e-3, tiers=tiers), params)
   out = []
@@ -114,13 +108,8 @@ def main() -> None:
   if args.one:  # a sample, in its own process
     print(json.dumps(compile_sample(args.one, args.preset)))
     return
-  runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-  with tqdm(total=args.rounds * len(VARIANTS), desc='compiling') as bar:
-    for r in range(args.rounds):
-      for variant in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
-        bar.set_postfix_str(variant)
-        runs[variant].append(_fresh(variant, args.preset))
-        bar.update()
+  runs = compile_time.interleaved(list(VARIANTS), ['codec'], args.rounds, args.preset,
+                                  lambda v, _, preset: _fresh(v, preset), 'compiling')['codec']
   med = {v: float(np.median([s['compile_cpu_s'] for s in runs[v]])) for v in VARIANTS}
   iqr = {v: [float(q) for q in np.percentile([s['compile_cpu_s'] for s in runs[v]],
                                              [25, 75])] for v in VARIANTS}

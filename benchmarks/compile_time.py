@@ -341,7 +341,8 @@ def main() -> None:
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
 
   load_before = _common.load_average()
-  runs = _interleaved(args, names, compile_in_fresh_process, 'compiling')
+  runs = interleaved(names, args.steps, args.rounds, args.preset,
+                     compile_in_fresh_process, 'compiling')
   code: dict[str, dict[str, dict[str, Optional[float]]]] = {w: {} for w in args.steps}
   if args.generated_code:
     for which in args.steps:
@@ -396,20 +397,20 @@ def main() -> None:
   _plot(results, out.with_suffix('.png'))
 
 
-def _interleaved(args: argparse.Namespace, names: list[str],
-                 sample: Callable[[str, str, str], dict[str, float]], desc: str
-                 ) -> dict[str, dict[str, list[dict[str, float]]]]:
-  """`sample(name, step, preset)` for every step and optimizer, `args.rounds` times:
-  each round runs every optimizer once, in an order rotated by one per round, so that
-  load from other processes hits all of them alike. Returns step -> name -> samples."""
+def interleaved(names: list[str], steps: list[str], rounds: int, preset: str,
+                sample: Callable[[str, str, str], dict[str, float]], desc: str
+                ) -> dict[str, dict[str, list[dict[str, float]]]]:
+  """`sample(name, step, preset)` for every step and name, `rounds` times: each round
+  runs every name once, in an order rotated by one per round, so that load from other
+  processes hits all of them alike. Returns step -> name -> samples."""
   runs: dict[str, dict[str, list[dict[str, float]]]] = {
-      w: {n: [] for n in names} for w in args.steps}
-  with tqdm(total=len(args.steps) * args.rounds * len(names), desc=desc) as bar:
-    for r in range(args.rounds):
-      for which in args.steps:
+      w: {n: [] for n in names} for w in steps}
+  with tqdm(total=len(steps) * rounds * len(names), desc=desc) as bar:
+    for r in range(rounds):
+      for which in steps:
         for name in names[r % len(names):] + names[:r % len(names)]:
           bar.set_postfix_str(f'{which}/{name}')
-          runs[which][name].append(sample(name, which, args.preset))
+          runs[which][name].append(sample(name, which, preset))
           bar.update()
   return runs
 
@@ -419,7 +420,8 @@ def _phases(args: argparse.Namespace) -> None:
   interleaved fresh processes, per step and optimizer; a table, and JSON, Markdown and a
   plot next to `args.out` (suffix `_phases`)."""
   names = ['adamw'] + [n for n in args.optimizers if n != 'adamw']
-  runs = _interleaved(args, names, xla_phases, 'XLA phases')
+  runs = interleaved(names, args.steps, args.rounds, args.preset, xla_phases,
+                     'XLA phases')
   rows, results = [], {}
   keys = tuple(PHASES) + ('compile_cpu_s',)
   for which in args.steps:

@@ -1,6 +1,6 @@
 """Validation of static and numeric hyperparameters, with messages that name the argument.
 
-Numeric hyperparameters are only checked when they are concrete Python or NumPy
+Numeric hyperparameters are only checked when they are concrete Python, NumPy or JAX
 numbers: traced values (for example under `optax.inject_hyperparams`) and schedules
 pass through unchanged so that they can still be traced.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import numbers
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -36,6 +37,27 @@ def _is_scalar_number(value: Any) -> bool:
           jnp.result_type(value), jnp.complexfloating)
 
 
+def concrete_value(value: Any) -> Optional[float]:
+  """The value of a concrete real scalar of any Python, NumPy or JAX type (a 0-d integer
+  array included), or None for a tracer, a schedule or anything not a real scalar.
+
+  Range checks read this rather than `is_concrete_number`, so that no spelling of a
+  number (`np.array(2)`, `jnp.asarray(2.0)`, `np.int64(2)`) slips past them.
+  """
+  if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, numbers.Real):
+    return float(value)
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
+    dtype = np.dtype(value.dtype)
+    if np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating):
+      try:
+        return float(value)
+      except (TypeError, jax.errors.ConcretizationTypeError):  # not concrete after all
+        return None
+  return None
+
+
 def check_scalar(name: str, value: Any, schedule: bool = False) -> None:
   """Raises unless `value` is a real number or a scalar array (or, if allowed, a schedule).
 
@@ -51,20 +73,25 @@ def check_scalar(name: str, value: Any, schedule: bool = False) -> None:
 def check_beta(name: str, value: Any) -> None:
   """Raises unless `value` is a scalar; raises if a concrete one lies outside [0, 1)."""
   check_scalar(name, value)
-  if is_concrete_number(value) and not 0.0 <= float(value) < 1.0:
+  v = concrete_value(value)
+  if v is not None and not 0.0 <= v < 1.0:
     raise ValueError(f'`{name}` must be in [0, 1), got {value!r}.')
 
 
 def check_learning_rate(value: Any) -> None:
   """Raises unless `value` is a number, a scalar array or a schedule (a callable)."""
   check_scalar('learning_rate', value, schedule=True)
+  v = concrete_value(value)
+  if v is not None and not math.isfinite(v):
+    raise ValueError(f'`learning_rate` must be finite, got {value!r}.')
 
 
 def check_non_negative(name: str, value: Any, schedule: bool = False) -> None:
   """Raises unless `value` is a scalar (or a schedule, if allowed); raises if a concrete
   one is negative (or NaN)."""
   check_scalar(name, value, schedule)
-  if is_concrete_number(value) and not float(value) >= 0.0:
+  v = concrete_value(value)
+  if v is not None and not v >= 0.0:
     raise ValueError(f'`{name}` must be >= 0, got {value!r}.')
 
 

@@ -111,6 +111,8 @@ def block_extents(shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
   order, so along each axis it must divide the axis or cover it whole."""
   layout = _base.Layout.of(len(shape), batch_axes)
   extents = [1] * len(shape)
+  if not math.prod(shape):  # no element: every block size fits, none is stored
+    return tuple(extents)
   rest = block_size
   for axis in reversed(layout.matrix):
     if rest == 1:

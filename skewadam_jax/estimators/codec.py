@@ -324,9 +324,19 @@ class Blockwise(StateCodec):
                              _blocks.outer(spec))
     inner = tuple(range(1, 2 * x.ndim, 2))
     absmax = jnp.max(jnp.abs(blocks), axis=inner, keepdims=True)
+    # A NaN or an Inf in a block makes its scale NaN, so that the whole block decodes
+    # to NaN from then on, as a float32 momentum keeps its NaN: spelled out because a
+    # max reduction may skip NaN (XLA:CPU's does under jit) and an Inf scale would
+    # code the block's finite values as 0.
+    finite = jax.lax.expand_dims(jax.lax.reduce_and(jax.lax.is_finite(blocks), inner), inner)
+    absmax = jax.lax.select(finite, absmax, jax.lax.full_like(absmax, np.nan))
     # lax, not jnp.where / jnp.round: those are jitted functions, traced and lowered
     # again for every leaf's shape (the same operations).
     y = blocks / jax.lax.select(absmax > 0, absmax, jax.lax.full_like(absmax, 1.0))
+    # A non-finite block's codes: those of 0, the same on every platform (a float NaN
+    # cast to uint8 is not), which its NaN scale decodes to NaN.
+    y = jax.lax.select(jax.lax.broadcast_in_dim(finite, y.shape, tuple(range(y.ndim))), y,
+                       jax.lax.full_like(y, 0.0))
     if self.mapping == 'linear':
       q = 2**(self.bits - 1) - 1
       if self.needs_seed:  # floor(y q + u) lies in [-q, q] since |y| <= 1 and u < 1

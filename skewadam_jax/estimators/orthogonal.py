@@ -266,7 +266,9 @@ class Orthogonal(_second_moment.SecondMoment):
     if s is None:
       s = step.num_scale * _xla.rsqrt(step.bc2) if step.floor else step.num_scale
     perm = batch + rows + (col,)
-    mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(-1, r, c)
+    # The batch count spelled out, not -1: a zero-size leaf has no -1 to infer.
+    n = math.prod(x.shape[a] for a in batch)
+    mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(n, r, c)
     scale = (self.rms_scale * math.sqrt(max(r, c)) if self.rms_scale is not None
              else math.sqrt(max(1.0, c / r)))
 

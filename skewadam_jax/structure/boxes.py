@@ -153,6 +153,9 @@ def rename_boxes(
     return isinstance(x, types)
 
   def rename(path: tuple[Any, ...], param: Any, stat: Any) -> Any:
+    if is_box(param) and not is_box(stat) and jax.tree.leaves(stat):
+      # A statistic of several arrays, one box each (`Leaves.field`): each box named.
+      return jax.tree.map(lambda box: rename(path, param, box), stat, is_leaf=is_box)
     if not (is_box(param) and is_box(stat)):
       return stat
     value = _box_value(param)

@@ -87,7 +87,17 @@ class Leaves:
       inner = jax.tree_util.tree_structure(slot)
       held = [next(it) for _ in range(inner.num_leaves)]
       # A box holding no array (a MaskedNode of optax.partition) is kept as it is.
-      out.append(None if any(v is None for v in held) else inner.unflatten(held))
+      if any(v is None for v in held):
+        out.append(None)
+      elif inner.num_leaves == 1 and len(jax.tree.leaves(held[0])) > 1:
+        # A statistic of several arrays (a coded momentum's codes and scales): one box
+        # per array, inside the statistic's own node, so that the state after an
+        # update (whose containers hold bare arrays) has the structure of `init`'s
+        # where a container boxes each array (NNX's Optimizer): one box holding the
+        # node would come back from nnx.update as a dict, and the step trace again.
+        out.append(jax.tree.map(lambda a, box=inner: box.unflatten([a]), held[0]))
+      else:
+        out.append(inner.unflatten(held))
     return slots_def.unflatten(out)
 
   def fields(self, rows: Sequence[Mapping[str, Any]], names: Sequence[str],
@@ -113,9 +123,45 @@ class Leaves:
   def read(self, state: Any, names: Sequence[str]) -> list[dict[str, Any]]:
     """One row (field -> value, None where the leaf keeps nothing) per leaf of `state`'s
     fields `names`, which were built for a tree of this one's structure."""
-    columns = [_flax.flatten_like(self.treedef, self.tree, getattr(state, k))
-               for k in names]
+    try:
+      columns = [_flax.flatten_like(self.treedef, self.tree, getattr(state, k))
+                 for k in names]
+    except (ValueError, TypeError) as e:
+      if not names:
+        raise
+      raise ValueError(tree_mismatch(self.tree, getattr(state, names[0]))) from e
     return [dict(zip(names, row)) for row in zip(*columns)] if columns else []
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+  """The paths of `tree`'s leaves, a None (a leaf that keeps no state) counted as one."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+  return [_paths.path_str(path) for path, _ in flat]
+
+
+def tree_mismatch(updates: Any, state_field: Any) -> str:
+  """Why a state built for one tree does not fit the updates' tree: the paths missing
+  from the updates and those the optimizer state does not have."""
+  have, want = _leaf_paths(updates), _leaf_paths(state_field)
+  missing = [p for p in want if p not in set(have)]
+  extra = [p for p in have if p not in set(want)]
+
+  def listed(paths: list[str]) -> str:
+    return ', '.join(paths[:8]) + (f' and {len(paths) - 8} more' if len(paths) > 8 else '')
+
+  parts = []
+  if missing:
+    parts.append(f'missing from the updates: {listed(missing)}')
+  if extra:
+    parts.append(f'not in the optimizer state: {listed(extra)}')
+  if not parts:  # the same paths, other containers (a dict where a list was, say)
+    parts.append('the same paths in other containers: '
+                 f'{jax.tree_util.tree_structure(updates)} against '
+                 f'{jax.tree_util.tree_structure(state_field)}')
+  return ('The updates do not have the tree structure of the parameters the optimizer '
+          f'state was made for ({"; ".join(parts)}). Pass gradients of the whole tree '
+          'given to `tx.init` (a zero gradient for a frozen leaf), or make the state '
+          'with `tx.init` of this tree.')
 
 
 def param_leaves(leaves: Leaves, params: Any) -> list[Any]:

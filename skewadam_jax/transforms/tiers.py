@@ -97,6 +97,10 @@ def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[
         out.append((_per_leaf.zero_update(path, g, p), {}))
         continue
       estimator, present = _tier_leaf.check_grad(tier, path, g, p, row, a)
+      if not g.size:  # nothing to estimate: a statistic of no elements would be 0 / 0
+        out.append((_per_leaf.zero_update(path, g, p), {**present, 'mu': row['mu']}
+                    if tier.momentum else dict(present)))
+        continue
       mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
       out.append(_tier_leaf.update_leaf(
           tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps, path, g, mu,

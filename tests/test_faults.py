@@ -261,3 +261,51 @@ def test_optax_chain_keeps_the_skewadam_state_structure():
   state = _quiet(tx.init, params)
   _, new = _quiet(jax.jit(tx.update), params, state, params)
   assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
+
+
+# ------------------------------------------------------------------ jax.grad
+
+
+def _grad_setup():
+  codec = sj.Blockwise(bits=8, block_size=64)
+  shape = (16, 64)
+  rng = np.random.default_rng(0)
+  p = {'w': jnp.asarray(rng.standard_normal(shape), jnp.float32)}
+  g0 = {'w': jnp.asarray(rng.standard_normal(shape), jnp.float32)}
+  weights = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  g1 = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  return codec, shape, p, g0, weights, g1
+
+
+def test_grad_of_one_coded_step_is_the_float32_steps():
+  """One step's update is computed from the float32 momentum: its derivative with
+  respect to the gradient is that of a float32 momentum holding the decoded codes."""
+  codec, shape, p, g0, weights, g1 = _grad_setup()
+  coded = sj.scale_by_tiered_adam(tier=sj.Tier(mu_codec=codec))
+  plain = sj.scale_by_tiered_adam(tier=sj.Tier())
+  sc = coded.update(g0, coded.init(p), p)[1]
+  sf = plain.update(g0, plain.init(p), p)[1]
+  sf = sf._replace(mu={'w': codec.for_leaf(shape).decode(sc.mu['w'])})
+
+  def loss(tx, s):
+    return lambda g: jnp.sum(tx.update({'w': g}, s, p)[0]['w'] * weights)
+
+  a = jax.grad(loss(coded, sc))(g1)
+  b = jax.grad(loss(plain, sf))(g1)
+  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_grad_through_coded_state_is_refused():
+  """Across steps the derivative would flow through the codes' scales alone (the codes
+  are integers): refused with a TypeError, where a float32 momentum differentiates."""
+  codec, _, p, g0, weights, g1 = _grad_setup()
+
+  def two_steps(tx):
+    def f(g):
+      s = tx.update({'w': g}, tx.init(p), p)[1]
+      return jnp.sum(tx.update(g0, s, p)[0]['w'] * weights)
+    return f
+
+  assert _finite(jax.grad(two_steps(sj.scale_by_tiered_adam(tier=sj.Tier())))(g1))
+  with pytest.raises(TypeError, match='jax.grad through a coded momentum'):
+    jax.grad(two_steps(sj.scale_by_tiered_adam(tier=sj.Tier(mu_codec=codec))))(g1)

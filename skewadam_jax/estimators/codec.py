@@ -128,6 +128,31 @@ class StateCodec(abc.ABC):
     return jax.tree.map(lambda _: PartitionSpec(), stored)
 
 
+@jax.custom_vjp
+def _no_derivative(scales: jax.Array) -> jax.Array:
+  """The scales of new codes, refusing a derivative: the codes beside them are
+  integers, so a derivative through a stored coded momentum would flow through its
+  scales alone and be silently wrong (measured: 2.43 against 1.59 for the same float32
+  momentum). One step's update is computed from the float32 momentum, not from these,
+  so `jax.grad` of an update with respect to its gradient stays exact."""
+  return scales
+
+
+def _no_derivative_fwd(scales: jax.Array) -> tuple[jax.Array, None]:
+  return scales, None
+
+
+def _no_derivative_bwd(_: None, cotangent: jax.Array) -> tuple[jax.Array]:
+  raise TypeError(
+      'jax.grad through a coded momentum (sj.Blockwise codes in the optimizer state): the '
+      'codes are integers and have no derivative. Differentiate one step\'s update with '
+      'respect to its gradient (exact), or give the tier a float32 momentum '
+      '(`mu_codec=None`) to differentiate through the state across steps.')
+
+
+_no_derivative.defvjp(_no_derivative_fwd, _no_derivative_bwd)
+
+
 def _inherits_sharding(param: Any) -> bool:
   """Whether `init` builds the state from `param`, so that it inherits its placement: a
   concrete array (on its devices), or a traced one whose type names a mesh (under
@@ -351,7 +376,8 @@ class Blockwise(StateCodec):
       codes = _blocks.nearest(y, mids, self.bits).astype(jnp.uint8)
     codes = _blocks.reshape(codes, tuple(x.shape), spec)
     codes = _blocks.pack_codes(codes, codec._pack_axis(), self.bits)
-    return Coded(codes, _blocks.reshape(absmax, absmax.shape[::2] if x.ndim else (), spec))
+    scales = _blocks.reshape(absmax, absmax.shape[::2] if x.ndim else (), spec)
+    return Coded(codes, _no_derivative(scales))
 
   def decode(self, stored: Coded) -> jax.Array:
     if self.shape is None:

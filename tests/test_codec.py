@@ -608,12 +608,15 @@ def test_flax_boxes_of_a_coded_momentum_name_the_parameters_axes():
                                             out_sharding=('expert', 'embed', 'mlp'))}}})
   state = sj.skewadam(1e-3, tiers=_coded_tiers()).init(params)
   w1 = state[0].mu['moe']['experts']['w1']
-  assert isinstance(w1, nnx.Param) and isinstance(w1.get_value(), sj.Coded)
-  # Codes and scales keep the parameter's rank: one box, the parameter's names for both
-  # (Flax's route gives the box one spec, a prefix of both arrays).
+  # Codes and scales keep the parameter's rank: one box each inside the Coded node (so
+  # that an update's bare arrays come back into the same structure), each with the
+  # parameter's names.
+  assert isinstance(w1, sj.Coded)
+  assert all(isinstance(box, nnx.Param) for box in w1)
   specs = nnx.get_partition_spec(state)[0]
-  assert specs.mu['moe']['experts']['w1'].get_value() == P('expert', 'embed', 'mlp')
-  assert specs.mu['embed'].get_value() == P('vocab', 'embed')
+  coded = specs.mu['moe']['experts']['w1']
+  assert [box.get_value() for box in coded] == [P('expert', 'embed', 'mlp')] * 2
+  assert [box.get_value() for box in specs.mu['embed']] == [P('vocab', 'embed')] * 2
   assert specs.v_row['moe']['experts']['w1'].get_value() == P('expert', 'embed')
 
 

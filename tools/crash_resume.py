@@ -87,7 +87,8 @@ def command(target: str, args: argparse.Namespace, ckpt: Path, data: Path, out: 
   if target == 'moe_lm':
     # One optimizer: train.py's default trains two, each in its own checkpoint directory.
     return [sys.executable, 'examples/moe_lm/train.py', '--preset', 'tiny', '--optimizer',
-            PRESETS.get(args.optimizer, args.optimizer), '--batch-size', '4', '--eval-every', str(args.steps),
+            PRESETS.get(args.optimizer, args.optimizer), '--batch-size', '4',
+            '--eval-every', str(args.steps),
             '--eval-batches', '1', '--out', str(out), *common]
   return [sys.executable, 'examples/sharded_moe.py', '--preset', 'tiny', '--batch-size', '8',
           '--optimizer', args.optimizer, *common]
@@ -321,7 +322,7 @@ def _free_port() -> int:
 
 
 def run_pair(script: Path, ckpt: Path, out: Path, env: dict[str, str], kill: Optional[int],
-             rng: random.Random) -> dict[str, Any]:
+             rng: random.Random, timeout_s: float = LAUNCH_TIMEOUT_S) -> dict[str, Any]:
   """Both `jax.distributed` processes of tests/multihost_runs.py `ckpt`; with `kill`, one
   of them (drawn) is killed right after it prints that the save of step `kill` started,
   and the other once it has stopped or after 30 s (a collective with a dead peer hangs)."""
@@ -362,7 +363,7 @@ def run_pair(script: Path, ckpt: Path, out: Path, env: dict[str, str], kill: Opt
       for p in procs:
         if p.poll() is None:
           p.send_signal(signal.SIGKILL)
-    if time.monotonic() - t0 > LAUNCH_TIMEOUT_S:
+    if time.monotonic() - t0 > timeout_s:
       for p in procs:
         p.kill()
       raise RuntimeError('multihost run ran over its time:\n' + '\n'.join(tails[0] + tails[1]))
@@ -387,14 +388,16 @@ def run_multihost(args: argparse.Namespace, work: Path, env: dict[str, str],
   ref_out.mkdir()
   out.mkdir()
   env = dict(env, XLA_FLAGS='')
-  reference = run_pair(script, work / 'multihost_ref', ref_out, env, None, rng)
+  reference = run_pair(script, work / 'multihost_ref', ref_out, env, None, rng,
+                       args.launch_timeout)
+  timeout = max(args.launch_timeout, LAUNCH_TIMEOUT_FACTOR * reference['seconds'])
   launches = []
   saves = list(range(4, 15, 2))  # CKPT_EVERY = 2, CKPT_STEPS = 16 in multihost_runs.py
   for _ in range(args.multihost_kills):
     launches.append(run_pair(script, work / 'multihost_ckpt', out, env,
-                             rng.choice(saves), rng))
+                             rng.choice(saves), rng, timeout))
   while True:
-    final = run_pair(script, work / 'multihost_ckpt', out, env, None, rng)
+    final = run_pair(script, work / 'multihost_ckpt', out, env, None, rng, timeout)
     launches.append(final)
     if final['returncodes'] == [0, 0]:
       break
@@ -459,7 +462,8 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
   for r in results:
     s = r['summary']
     lines.append(
-        f'| {r["target"]} `{r["optimizer"]}` | {s["kills"]} | {s["kills_during_save"]} | {s["corruptions"]} '
+        f'| {r["target"]} `{r["optimizer"]}` | {s["kills"]} | {s["kills_during_save"]} | '
+        f'{s["corruptions"]} '
         f'({s["corruptions_detected"]}) | {s["resumes"]} | {s["resumes_wrong"]} | '
         f'{s["episodes"]} | '
         f'{s["steps_lost_mean"]:.1f} / {s["steps_lost_max"]} | '

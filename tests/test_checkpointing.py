@@ -542,3 +542,41 @@ def test_restoring_a_target_with_fewer_leaves_names_what_differs(tmp_path):
                                                  'opt_state': ADAM_ROUTER.init(params)})
   with pytest.raises(ValueError, match=FEWER_LEAVES):
     checkpointing.restore_checkpoint(tmp_path / 'c', _target(SKEWADAM, params))
+
+
+def test_crash_harness_trains_every_preset_by_name(tmp_path):
+  """`--optimizer NAME`: every tier preset, AdamPM and the AdamW baseline."""
+  sys.path.insert(0, str(ROOT / 'tools'))
+  try:
+    import crash_resume
+  finally:
+    sys.path.remove(str(ROOT / 'tools'))
+  from examples.moe_lm import optimizers as opt_lib
+  assert set(crash_resume.PRESETS) == {'skewadam', 'muon', 'muon-coded', 'adampm', 'adamw'}
+  assert crash_resume.PRESETS['muon-coded'] == opt_lib.RECOMMENDED
+  assert crash_resume.PRESETS['adamw'] == opt_lib.BASELINE
+  for name, train_name in crash_resume.PRESETS.items():
+    args = crash_resume.build_parser().parse_args(['--optimizer', name])
+    cmd = crash_resume.command('moe_lm', args, tmp_path, tmp_path, tmp_path)
+    assert cmd[cmd.index('--optimizer') + 1] == train_name in opt_lib.OPTIMIZERS
+  with pytest.raises(ValueError, match='--optimizer must be one of'):
+    crash_resume.main(['--target', 'moe_lm', '--optimizer', 'sgd', '--out', str(tmp_path)])
+  with pytest.raises(ValueError, match='use --target moe_lm'):
+    crash_resume.main(['--target', 'sharded_moe', '--optimizer', 'muon-coded'])
+
+
+@pytest.mark.slow
+def test_recommended_policy_resumes_bitwise_after_sigkill(tmp_path):
+  """tools/crash_resume.py --optimizer muon-coded (sj.MUON_CODED_TIERS): 3 kills."""
+  out = tmp_path / 'out'
+  timeout = _calibrated_timeout()
+  r = _run([str(ROOT / 'tools' / 'crash_resume.py'), '--target', 'moe_lm', '--optimizer',
+            'muon-coded', '--kills', '3', '--steps', '12', '--every', '3', '--out', str(out),
+            '--work', str(tmp_path / 'w'), '--launch-timeout', str(timeout)], ROOT,
+           timeout=3 * timeout)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+  result = json.loads((out / 'crash_resume.json').read_text())['results'][0]
+  s = result['summary']
+  assert 'muon-coded' in result['optimizer'] and s['kills'] == 3 and s['bitwise_equal'], s
+  assert s['partial_resumes'] == 0 and s['resumes_wrong'] == 0, s
+  assert s['corruptions_detected'] == s['corruptions'], s

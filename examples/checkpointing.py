@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 from pathlib import Path
 import sys
@@ -160,6 +161,13 @@ def write_manifest(step_dir: str | os.PathLike[str],
                    description: Optional[dict[str, Any]] = None) -> None:
   """Seals a step: its description and `MANIFEST` (size and sha256 of every file)."""
   sj.seal_checkpoint(step_dir, description)
+
+
+def saved_description(step_dir: str | os.PathLike[str]) -> Optional[dict[str, Any]]:
+  """The `sj.describe_state` sealed into a verified step (None if it has none); read
+  without hashing the files again (`verify_step` did)."""
+  path = Path(step_dir) / sj.integrations.sealing.DESCRIPTION
+  return json.loads(path.read_text()) if path.exists() else None
 
 
 def verify_step(step_dir: str | os.PathLike[str]) -> Optional[str]:
@@ -355,7 +363,7 @@ class TrainCheckpointer:
     sj.check_checkpoint_matches(
         target, metadata, source=f'Checkpoint step {chosen} in {self.directory}',
         description=self.description,
-        saved_description=sj.check_checkpoint(self.directory / str(chosen)))
+        saved_description=saved_description(self.directory / str(chosen)))
     restored = self.manager.restore(chosen, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
     state, record = restored['state'], restored['record'] or {}

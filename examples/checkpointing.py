@@ -2,9 +2,10 @@
 
 The recipe, in three lines::
 
-  save_checkpoint(path, {'params': params, 'opt_state': opt_state})
+  description = sj.describe_state(tx, params)        # tiers, estimators, codecs
+  save_checkpoint(path, {'params': params, 'opt_state': opt_state}, description)
   target = abstract_target(tx, abstract_params, param_shardings)   # nothing allocated
-  restored = restore_checkpoint(path, target)                      # any mesh
+  restored = restore_checkpoint(path, target, description)         # any mesh
 
 Orbax writes every array with its shards; `restore_checkpoint` reads them back onto
 whatever shardings the *target* names, so a checkpoint written on one mesh restores
@@ -73,16 +74,23 @@ import skewadam_jax as sj  # noqa: E402
 from examples import _cli  # noqa: E402
 
 
-def save_checkpoint(path: str | os.PathLike[str], tree: Any) -> None:
-  """Writes a pytree of (sharded) arrays to the new directory `path` and waits.
+def save_checkpoint(path: str | os.PathLike[str], tree: Any,
+                    description: Optional[dict[str, Any]] = None) -> None:
+  """Writes a pytree of (sharded) arrays to the new directory `path`, waits, and seals it.
 
   Args:
     path: the checkpoint directory (must not exist yet; absolute or relative).
     tree: e.g. `{'params': params, 'opt_state': opt_state, 'step': step}`.
+    description: `sj.describe_state(tx, params)`, saved with it so that a restore
+      with another codec or estimator is refused (`restore_checkpoint`).
   """
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(path), tree)
+  path = os.path.abspath(path)
+  checkpointer.save(path, tree)
   checkpointer.wait_until_finished()
+  # A sha256 of every file (and the description): `restore_checkpoint` verifies them.
+  if jax.process_index() == 0:
+    sj.seal_checkpoint(path, description)
 
 
 def abstract_target(tx: optax.GradientTransformation, abstract_params: Any,
@@ -116,83 +124,57 @@ def abstract_target(tx: optax.GradientTransformation, abstract_params: Any,
           'opt_state': sj.sharded_abstract_state(tx, abstract_params, param_shardings)}
 
 
-def restore_checkpoint(path: str | os.PathLike[str], target: Any) -> Any:
-  """Reads a checkpoint onto the shapes, dtypes and shardings of `target`.
+def restore_checkpoint(path: str | os.PathLike[str], target: Any,
+                       description: Optional[dict[str, Any]] = None) -> Any:
+  """Verifies a checkpoint and reads it onto the shapes, dtypes and shardings of `target`.
 
   Args:
     path: the directory written by `save_checkpoint`.
     target: a pytree of sharded `jax.ShapeDtypeStruct`s (see `abstract_target`).
+    description: `sj.describe_state(tx, params)` of the optimizer restoring it, compared
+      with the one saved (codecs, estimators, tiers, shapes).
 
   Returns:
     The restored pytree, with `target`'s structure and shardings.
 
   Raises:
-    ValueError: the checkpoint holds another optimizer's state (or other params); the
-      message names what differs (`skewadam_jax.check_checkpoint_matches`).
+    ValueError: a file is missing, truncated or corrupted (`damaged: <file>`,
+      `skewadam_jax.check_checkpoint`), or the checkpoint holds another optimizer's
+      state (or other params); the message names what differs
+      (`skewadam_jax.check_checkpoint_matches`).
   """
   checkpointer = ocp.StandardCheckpointer()
   path = os.path.abspath(path)
-  sj.check_checkpoint_matches(target, checkpointer.metadata(path), source=f'Checkpoint {path}')
+  saved = sj.check_checkpoint(path)
+  sj.check_checkpoint_matches(target, checkpointer.metadata(path), source=f'Checkpoint {path}',
+                              description=description, saved_description=saved)
   return checkpointer.restore(path, target)
 
 
 # ----------------------------------------------------------------------------- crash-safe training
 
-MANIFEST = 'integrity.sha256.json'  # written into a step directory once Orbax committed it
-# Orbax rewrites the step's metadata (timestamps) after the files are final: it is not
-# hashed, only required to be JSON (it holds no arrays).
-UNHASHED = ('_CHECKPOINT_METADATA',)
+MANIFEST = sj.integrations.sealing.MANIFEST  # written into a step once Orbax committed it
 DAMAGED_DIR = 'damaged'  # where restore moves the steps it cannot use
 
 
-def _sha256(path: Path) -> str:
-  h = hashlib.sha256()
-  with path.open('rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      h.update(block)
-  return h.hexdigest()
+def write_manifest(step_dir: str | os.PathLike[str],
+                   description: Optional[dict[str, Any]] = None) -> None:
+  """Seals a step: its description and `MANIFEST` (size and sha256 of every file)."""
+  sj.seal_checkpoint(step_dir, description)
 
 
-def write_manifest(step_dir: str | os.PathLike[str]) -> None:
-  """Writes `step_dir/MANIFEST` (size and sha256 of every file), atomically."""
-  step_dir = Path(step_dir)
-  files = {p.relative_to(step_dir).as_posix(): {'bytes': p.stat().st_size, 'sha256': _sha256(p)}
-           for p in sorted(step_dir.rglob('*'))
-           if p.is_file() and p.name != MANIFEST and p.name not in UNHASHED}
-  tmp = step_dir / (MANIFEST + '.tmp')
-  with tmp.open('w') as f:
-    json.dump({'files': files}, f, indent=0)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, step_dir / MANIFEST)  # readers see no manifest or the whole one
+def saved_description(step_dir: str | os.PathLike[str]) -> Optional[dict[str, Any]]:
+  """The `sj.describe_state` sealed into a verified step (None if it has none); read
+  without hashing the files again (`verify_step` did)."""
+  path = Path(step_dir) / sj.integrations.sealing.DESCRIPTION
+  return json.loads(path.read_text()) if path.exists() else None
 
 
 def verify_step(step_dir: str | os.PathLike[str]) -> Optional[str]:
   """Why the step directory cannot be restored (None: every file matches its manifest)."""
-  step_dir = Path(step_dir)
-  try:
-    files = json.loads((step_dir / MANIFEST).read_text())['files']
-  except FileNotFoundError:
+  if not (Path(step_dir) / MANIFEST).exists():
     return 'incomplete: its save did not finish (no integrity manifest)'
-  except (ValueError, KeyError, TypeError):
-    return f'damaged: its manifest {MANIFEST} is unreadable'
-  for name, want in files.items():
-    path = step_dir / name
-    if not path.is_file():
-      return f'damaged: {name} is missing'
-    size = path.stat().st_size
-    if size != want['bytes']:
-      return f'damaged: {name} has {size} bytes, {want["bytes"]} were written (truncated?)'
-    if _sha256(path) != want['sha256']:
-      return f'damaged: {name} does not match its sha256 (corrupted bytes)'
-  for name in UNHASHED:
-    try:
-      json.loads((step_dir / name).read_text())
-    except FileNotFoundError:
-      return f'damaged: {name} is missing'
-    except ValueError:
-      return f'damaged: {name} is not valid JSON (truncated or corrupted)'
-  return None
+  return sj.integrations.sealing.checkpoint_damage(step_dir)
 
 
 def fingerprint(tree: Any) -> str:
@@ -234,11 +216,14 @@ class TrainCheckpointer:
     log: where progress lines go (`print` by default).
     show_fingerprints: also log `fingerprint` of the saved and restored trees (a host
       copy of every array; for tests and tools/crash_resume.py).
+    description: `sj.describe_state(tx, params)`: saved with every step and compared
+      at restore, so that a step of another codec or estimator is refused.
   """
 
   def __init__(self, directory: str | os.PathLike[str], *, every: int, keep: int = 3,
                use_async: bool = True, log: Callable[[str], None] = print,
-               show_fingerprints: bool = False):
+               show_fingerprints: bool = False,
+               description: Optional[dict[str, Any]] = None):
     if every < 1:
       raise ValueError(f'`every` (steps between checkpoints) must be >= 1, not {every}.')
     if keep < 1:
@@ -247,6 +232,7 @@ class TrainCheckpointer:
     self.every = every
     self.use_async = use_async
     self.show_fingerprints = show_fingerprints
+    self.description = description
     self._log = log
     self._saving: Optional[int] = None  # the step whose async save is in flight
     self._is_writer = jax.process_index() == 0
@@ -279,7 +265,7 @@ class TrainCheckpointer:
       if where is None:  # never restored then: a step without a manifest is incomplete
         self._log(f'checkpoint: step {step} written but not found; no manifest')
         return
-      write_manifest(where)
+      write_manifest(where, self.description)
     self._log(f'checkpoint: step {step} complete')
 
   def save(self, step: int, state: Any, record: Optional[dict[str, Any]] = None, *,
@@ -374,8 +360,10 @@ class TrainCheckpointer:
             'Refusing to train from them; remove them (or the directory) to start afresh.')
       return None
     metadata = self.manager.item_metadata(chosen)['state']
-    sj.check_checkpoint_matches(target, metadata,
-                                source=f'Checkpoint step {chosen} in {self.directory}')
+    sj.check_checkpoint_matches(
+        target, metadata, source=f'Checkpoint step {chosen} in {self.directory}',
+        description=self.description,
+        saved_description=saved_description(self.directory / str(chosen)))
     restored = self.manager.restore(chosen, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
     state, record = restored['state'], restored['record'] or {}
@@ -438,9 +426,11 @@ def demo(path: str | os.PathLike[str], optimizer: str = 'skewadam', preset: str 
   for i in range(steps):
     params, opt_state = step(params, opt_state, jax.random.key(seed * 1000 + i))
   saved = {'params': params, 'opt_state': opt_state}
-  save_checkpoint(path, saved)
+  description = sj.describe_state(tx, params)
+  save_checkpoint(path, saved, description)
   target = abstract_target(tx, jax.eval_shape(lambda: params))
-  return {'tx': tx, 'saved': saved, 'restored': restore_checkpoint(path, target)}
+  return {'tx': tx, 'saved': saved,
+          'restored': restore_checkpoint(path, target, description)}
 
 
 def mismatches(a: Any, b: Any) -> list[str]:

@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = checkpointing.TrainCheckpointer(
         args.ckpt_dir, every=args.ckpt_every or args.steps + 1, keep=args.ckpt_keep,
         use_async=not args.sync_ckpt, show_fingerprints=args.ckpt_fingerprints,
-        log=lambda line: print(line, flush=True))
+        log=lambda line: print(line, flush=True),
+        description=sj.describe_state(tx, abstract_params))
     target = checkpointing.abstract_target(tx, abstract_params, param_sh)
     restored = ckpt.restore(target, step=args.resume)
     if restored is not None:

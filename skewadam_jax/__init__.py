@@ -69,6 +69,9 @@ from skewadam_jax.integrations.sharding import state_shardings
 # Checkpoints: does a saved state match the optimizer's (before restoring it)?
 from skewadam_jax.integrations.checkpoint import check_checkpoint_matches
 from skewadam_jax.integrations.checkpoint import checkpoint_mismatches
+from skewadam_jax.integrations.sealing import check_checkpoint
+from skewadam_jax.integrations.sealing import describe_state
+from skewadam_jax.integrations.sealing import seal_checkpoint
 from skewadam_jax.integrations.relayout import relayout_state
 from skewadam_jax.integrations.relayout import saved_layout_target
 # AdamPM's pooling, to analyse a second moment as AdamPM sees it.
@@ -130,10 +133,13 @@ __all__ = (
     'optimizer_state_bytes',
     'state_bytes',
     # Sharding and checkpoints.
+    'check_checkpoint',
     'check_checkpoint_matches',
     'checkpoint_mismatches',
+    'describe_state',
     'relayout_state',
     'saved_layout_target',
+    'seal_checkpoint',
     'sharded_abstract_state',
     'state_shardings',
     # Helpers: AdamPM's pooling, stochastic rounding for bf16 weights.

@@ -415,11 +415,46 @@ def test_long_mismatch_lists_are_cut_with_a_count():
 # ----------------------------------------------------------------------------- examples
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+# The calibration step: a fresh process that imports the library and compiles and runs a
+# small SkewAdam step, the work every launch of the crash harness starts with.
+# CALIBRATION_IDLE_S: its seconds measured on a 2-core machine running one other heavy
+# job (the crash harness on one core): 9.0 s. Each launch there gets SLOW_TEST_IDLE_S,
+# the whole test three times that; a slower machine gets them in proportion.
+CALIBRATION = ('import time; t = time.perf_counter(); import jax, jax.numpy as jnp, '
+               'skewadam_jax as sj; tx = sj.skewadam(1e-3, tiers=sj.MUON_CODED_TIERS); '
+               "p = {'moe': {'experts': {'w1': jnp.ones((4, 64, 128))}, "
+               "'router': {'kernel': jnp.ones((64, 4))}}}; s = tx.init(p); "
+               'jax.block_until_ready(jax.jit(tx.update)(p, s, p)); '
+               'print(time.perf_counter() - t)')
+CALIBRATION_IDLE_S = 9.0
+SLOW_TEST_IDLE_S = 600.0
+
+
+def _calibrated_timeout(base_s: float = SLOW_TEST_IDLE_S) -> float:
+  """`base_s` scaled by how much slower than idle this machine runs the calibration
+  step now (never below `base_s`): a busy machine gets the time it needs."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  out = subprocess.run([sys.executable, '-c', CALIBRATION], env=env, capture_output=True,
+                       text=True, check=True)
+  return base_s * max(1.0, float(out.stdout.split()[-1]) / CALIBRATION_IDLE_S)
+
+
+def _run(args: list[str], cwd: Path, timeout: float = SLOW_TEST_IDLE_S
+         ) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
   env.pop('XLA_FLAGS', None)
   return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                        text=True, timeout=600)
+                        text=True, timeout=timeout)
+
+
+def test_the_calibrated_timeout_grows_with_a_slower_machine(monkeypatch):
+  timeout = _calibrated_timeout(100.0)
+  assert timeout >= 100.0
+  # Twice as slow as measured: twice the time (a slower calibration, same formula).
+  monkeypatch.setattr(sys.modules[__name__], 'CALIBRATION_IDLE_S',
+                      CALIBRATION_IDLE_S * 100.0 / timeout / 2)
+  assert _calibrated_timeout(100.0) > 1.5 * timeout
 
 
 @pytest.mark.slow
@@ -427,9 +462,10 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_examples_resume_bitwise_after_sigkill(tmp_path, target):
   """tools/crash_resume.py on an example (the committed code): 3 kills."""
   out = tmp_path / 'out'
+  timeout = _calibrated_timeout()
   r = _run([str(ROOT / 'tools' / 'crash_resume.py'), '--target', target, '--kills', '3',
-            '--steps', '12', '--every', '3', '--out', str(out), '--work', str(tmp_path / 'w')],
-           ROOT)
+            '--steps', '12', '--every', '3', '--out', str(out), '--work', str(tmp_path / 'w'),
+            '--launch-timeout', str(timeout)], ROOT, timeout=3 * timeout)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
   s = json.loads((out / 'crash_resume.json').read_text())['results'][0]['summary']
   assert s['kills'] == 3 and s['bitwise_equal'] and s['partial_resumes'] == 0
@@ -444,8 +480,10 @@ def test_two_process_run_resumes_bitwise_after_one_process_is_killed(tmp_path):
   """tools/crash_resume.py --multihost-kills 1: one `jax.distributed` process killed
   during a save, both restarted, the final params + state bitwise the uninterrupted."""
   out = tmp_path / 'out'
+  timeout = _calibrated_timeout()
   r = _run([str(ROOT / 'tools' / 'crash_resume.py'), '--target', 'none', '--multihost-kills',
-            '1', '--out', str(out), '--work', str(tmp_path / 'w')], ROOT)
+            '1', '--out', str(out), '--work', str(tmp_path / 'w'), '--launch-timeout',
+            str(timeout)], ROOT, timeout=3 * timeout)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
   mh = json.loads((out / 'crash_resume_multihost.json').read_text())['multihost']
   assert mh['bitwise_equal'] and mh['arrays_compared'] > 10
@@ -504,3 +542,41 @@ def test_restoring_a_target_with_fewer_leaves_names_what_differs(tmp_path):
                                                  'opt_state': ADAM_ROUTER.init(params)})
   with pytest.raises(ValueError, match=FEWER_LEAVES):
     checkpointing.restore_checkpoint(tmp_path / 'c', _target(SKEWADAM, params))
+
+
+def test_crash_harness_trains_every_preset_by_name(tmp_path):
+  """`--optimizer NAME`: every tier preset, AdamPM and the AdamW baseline."""
+  sys.path.insert(0, str(ROOT / 'tools'))
+  try:
+    import crash_resume
+  finally:
+    sys.path.remove(str(ROOT / 'tools'))
+  from examples.moe_lm import optimizers as opt_lib
+  assert set(crash_resume.PRESETS) == {'skewadam', 'muon', 'muon-coded', 'adampm', 'adamw'}
+  assert crash_resume.PRESETS['muon-coded'] == opt_lib.RECOMMENDED
+  assert crash_resume.PRESETS['adamw'] == opt_lib.BASELINE
+  for name, train_name in crash_resume.PRESETS.items():
+    args = crash_resume.build_parser().parse_args(['--optimizer', name])
+    cmd = crash_resume.command('moe_lm', args, tmp_path, tmp_path, tmp_path)
+    assert cmd[cmd.index('--optimizer') + 1] == train_name in opt_lib.OPTIMIZERS
+  with pytest.raises(ValueError, match='--optimizer must be one of'):
+    crash_resume.main(['--target', 'moe_lm', '--optimizer', 'sgd', '--out', str(tmp_path)])
+  with pytest.raises(ValueError, match='use --target moe_lm'):
+    crash_resume.main(['--target', 'sharded_moe', '--optimizer', 'muon-coded'])
+
+
+@pytest.mark.slow
+def test_recommended_policy_resumes_bitwise_after_sigkill(tmp_path):
+  """tools/crash_resume.py --optimizer muon-coded (sj.MUON_CODED_TIERS): 3 kills."""
+  out = tmp_path / 'out'
+  timeout = _calibrated_timeout()
+  r = _run([str(ROOT / 'tools' / 'crash_resume.py'), '--target', 'moe_lm', '--optimizer',
+            'muon-coded', '--kills', '3', '--steps', '12', '--every', '3', '--out', str(out),
+            '--work', str(tmp_path / 'w'), '--launch-timeout', str(timeout)], ROOT,
+           timeout=3 * timeout)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+  result = json.loads((out / 'crash_resume.json').read_text())['results'][0]
+  s = result['summary']
+  assert 'muon-coded' in result['optimizer'] and s['kills'] == 3 and s['bitwise_equal'], s
+  assert s['partial_resumes'] == 0 and s['resumes_wrong'] == 0, s
+  assert s['corruptions_detected'] == s['corruptions'], s

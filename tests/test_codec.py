@@ -630,9 +630,9 @@ def test_checkpoint_mismatches_name_a_coded_momentum():
   other = {**_coded_tiers(), 'experts': sj.Tier(mu_codec=sj.Blockwise(4, 16))}
   lines = sj.checkpoint_mismatches(
       jax.eval_shape(sj.skewadam(1e-3, tiers=other).init, params), coded)
-  assert lines == ['shape differs at 0/mu/moe/experts/w1/scales: checkpoint (4, 16, 1), '
-                   "optimizer (4, 16, 2) (the momentum's codec differs: its bits or block "
-                   'size)']
+  assert lines == ['parameter moe/experts/w1: shape differs at 0/mu/moe/experts/w1/scales: '
+                   "checkpoint (4, 16, 1), optimizer (4, 16, 2) (the momentum's codec "
+                   'differs: its bits or block size)']
   assert sj.checkpoint_mismatches(coded, coded) == []
 
 

@@ -55,6 +55,19 @@ from examples import _cli  # noqa: E402
 from examples import checkpointing  # noqa: E402
 
 MODES = ('save', 'between', 'random', 'corrupt')
+# `--optimizer NAME`: every tier preset, AdamPM and the AdamW baseline, by the name of
+# examples/moe_lm/optimizers.py (any of its names works too).
+PRESETS = {
+    'skewadam': 'skewadam',  # sj.PUBLISHED_TIERS
+    'muon': 'skewadam-muon-orthogonal-experts',  # sj.MUON_TIERS
+    'muon-coded': 'skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096',  # MUON_CODED_TIERS
+    'adampm': 'adampm',
+    'adamw': 'adamw',
+}
+SHARDED_OPTIMIZERS = ('skewadam', 'adampm', 'adamw')  # examples/sharded_moe.py's choices
+# A launch that runs over this many times the uninterrupted run's seconds (and at least
+# --launch-timeout) is hung: the bound follows the machine's speed, not a fixed number.
+LAUNCH_TIMEOUT_FACTOR = 20
 LAUNCH_TIMEOUT_S = 600
 FP_RE = re.compile(r'checkpoint: step (\d+) fingerprint (\w+)')
 RESTORED_RE = re.compile(r'checkpoint: restored step (\d+) fingerprint (\w+)')
@@ -74,10 +87,11 @@ def command(target: str, args: argparse.Namespace, ckpt: Path, data: Path, out: 
   if target == 'moe_lm':
     # One optimizer: train.py's default trains two, each in its own checkpoint directory.
     return [sys.executable, 'examples/moe_lm/train.py', '--preset', 'tiny', '--optimizer',
-            'skewadam', '--batch-size', '4', '--eval-every', str(args.steps),
+            PRESETS.get(args.optimizer, args.optimizer), '--batch-size', '4',
+            '--eval-every', str(args.steps),
             '--eval-batches', '1', '--out', str(out), *common]
   return [sys.executable, 'examples/sharded_moe.py', '--preset', 'tiny', '--batch-size', '8',
-          *common]
+          '--optimizer', args.optimizer, *common]
 
 
 @dataclasses.dataclass
@@ -136,7 +150,8 @@ def _parse(launch: Launch, line: str) -> None:
 
 
 def run_once(cmd: list[str], env: dict[str, str], ckpt: Path, mode: Optional[str],
-             rng: random.Random, expected_s: float) -> Launch:
+             rng: random.Random, expected_s: float,
+             timeout_s: float = LAUNCH_TIMEOUT_S) -> Launch:
   """Runs `cmd`; with a `mode`, kills it with SIGKILL at a moment of that kind."""
   launch = Launch(mode)
   t0 = time.monotonic()
@@ -154,9 +169,10 @@ def run_once(cmd: list[str], env: dict[str, str], ckpt: Path, mode: Optional[str
       try:
         line = lines.get(timeout=0.01)
       except queue.Empty:
-        if time.monotonic() - t0 > LAUNCH_TIMEOUT_S:
+        if time.monotonic() - t0 > timeout_s:
+          proc.kill()
           raise RuntimeError(
-              f'{cmd} ran over {LAUNCH_TIMEOUT_S} s:\n' + '\n'.join(launch.tail)) from None
+              f'{cmd} ran over {timeout_s:.0f} s:\n' + '\n'.join(launch.tail)) from None
         continue
       if line is None:  # the process ended by itself
         break
@@ -239,7 +255,7 @@ def run_target(target: str, args: argparse.Namespace, work: Path, env: dict[str,
     shutil.rmtree(old)
   ref_ckpt = work / f'{target}_reference'
   ref = run_once(command(target, args, ref_ckpt, data, work / 'out'), env, ref_ckpt, None,
-                 rng, 0.0)
+                 rng, 0.0, args.launch_timeout)
   if ref.returncode != 0 or args.steps not in ref.fingerprints:
     raise RuntimeError(f'reference run of {target} failed:\n' + '\n'.join(ref.tail))
   kills: list[dict[str, Any]] = []
@@ -251,7 +267,8 @@ def run_target(target: str, args: argparse.Namespace, work: Path, env: dict[str,
     launches: list[Launch] = []
     while True:
       mode = rng.choice(MODES) if len(kills) < args.kills else None
-      launch = run_once(cmd, env, ckpt, mode, rng, ref.seconds)
+      launch = run_once(cmd, env, ckpt, mode, rng, ref.seconds,
+                        max(args.launch_timeout, LAUNCH_TIMEOUT_FACTOR * ref.seconds))
       if launches and launches[-1].killed:  # the restart after a kill
         prev = launches[-1]
         resumed = launch.restored[0] if launch.restored else 0
@@ -290,7 +307,7 @@ def run_target(target: str, args: argparse.Namespace, work: Path, env: dict[str,
         'final_fingerprint': final, 'bitwise_equal': final == ref.fingerprints[args.steps],
         'seconds': round(sum(la.seconds for la in launches), 1)})
   bar.close()
-  return {'target': target,
+  return {'target': target, 'optimizer': PRESETS.get(args.optimizer, args.optimizer),
           'command': ['python', *command(target, args, Path('CKPT'), Path('DATA'),
                                          Path('OUT'))[1:]],
           'reference_fingerprints': ref.fingerprints, 'reference_s': round(ref.seconds, 1),
@@ -305,7 +322,7 @@ def _free_port() -> int:
 
 
 def run_pair(script: Path, ckpt: Path, out: Path, env: dict[str, str], kill: Optional[int],
-             rng: random.Random) -> dict[str, Any]:
+             rng: random.Random, timeout_s: float = LAUNCH_TIMEOUT_S) -> dict[str, Any]:
   """Both `jax.distributed` processes of tests/multihost_runs.py `ckpt`; with `kill`, one
   of them (drawn) is killed right after it prints that the save of step `kill` started,
   and the other once it has stopped or after 30 s (a collective with a dead peer hangs)."""
@@ -346,7 +363,7 @@ def run_pair(script: Path, ckpt: Path, out: Path, env: dict[str, str], kill: Opt
       for p in procs:
         if p.poll() is None:
           p.send_signal(signal.SIGKILL)
-    if time.monotonic() - t0 > LAUNCH_TIMEOUT_S:
+    if time.monotonic() - t0 > timeout_s:
       for p in procs:
         p.kill()
       raise RuntimeError('multihost run ran over its time:\n' + '\n'.join(tails[0] + tails[1]))
@@ -371,14 +388,16 @@ def run_multihost(args: argparse.Namespace, work: Path, env: dict[str, str],
   ref_out.mkdir()
   out.mkdir()
   env = dict(env, XLA_FLAGS='')
-  reference = run_pair(script, work / 'multihost_ref', ref_out, env, None, rng)
+  reference = run_pair(script, work / 'multihost_ref', ref_out, env, None, rng,
+                       args.launch_timeout)
+  timeout = max(args.launch_timeout, LAUNCH_TIMEOUT_FACTOR * reference['seconds'])
   launches = []
   saves = list(range(4, 15, 2))  # CKPT_EVERY = 2, CKPT_STEPS = 16 in multihost_runs.py
   for _ in range(args.multihost_kills):
     launches.append(run_pair(script, work / 'multihost_ckpt', out, env,
-                             rng.choice(saves), rng))
+                             rng.choice(saves), rng, timeout))
   while True:
-    final = run_pair(script, work / 'multihost_ckpt', out, env, None, rng)
+    final = run_pair(script, work / 'multihost_ckpt', out, env, None, rng, timeout)
     launches.append(final)
     if final['returncodes'] == [0, 0]:
       break
@@ -443,7 +462,8 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
   for r in results:
     s = r['summary']
     lines.append(
-        f'| {r["target"]} | {s["kills"]} | {s["kills_during_save"]} | {s["corruptions"]} '
+        f'| {r["target"]} `{r["optimizer"]}` | {s["kills"]} | {s["kills_during_save"]} | '
+        f'{s["corruptions"]} '
         f'({s["corruptions_detected"]}) | {s["resumes"]} | {s["resumes_wrong"]} | '
         f'{s["episodes"]} | '
         f'{s["steps_lost_mean"]:.1f} / {s["steps_lost_max"]} | '
@@ -464,6 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
   _cli.option(p, '--target', default='both',
               choices=('both', 'moe_lm', 'sharded_moe', 'none'),
               help='which example to kill')
+  _cli.option(p, '--optimizer', default='skewadam',
+              help='the optimizer trained: ' + ', '.join(f'{k} ({v})' for k, v in PRESETS.items())
+                   + ', or any name of examples/moe_lm/optimizers.py (moe_lm); sharded_moe '
+                   f'takes {", ".join(SHARDED_OPTIMIZERS)}')
+  _cli.option(p, '--launch-timeout', type=float, default=LAUNCH_TIMEOUT_S,
+              help='seconds after which the uninterrupted run counts as hung; a later '
+                   f'launch gets at least {LAUNCH_TIMEOUT_FACTOR}x the seconds that run took')
   _cli.option(p, '--kills', type=int, default=20, help='kills per example')
   _cli.option(p, '--steps', type=int, default=40, help='training steps per run')
   _cli.option(p, '--every', type=int, default=4, help='steps between checkpoints')
@@ -482,6 +509,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     raise ValueError('need --kills >= 1, --steps >= 2 and 1 <= --every < --steps')
   rng = random.Random(args.seed)
   targets = {'both': ('moe_lm', 'sharded_moe'), 'none': ()}.get(args.target, (args.target,))
+  if 'sharded_moe' in targets and args.optimizer not in SHARDED_OPTIMIZERS:
+    raise ValueError(f'--optimizer {args.optimizer} is not one of sharded_moe.py\'s '
+                     f'{SHARDED_OPTIMIZERS}: use --target moe_lm')
+  if 'moe_lm' in targets:
+    from examples.moe_lm import optimizers as opt_lib
+    name = PRESETS.get(args.optimizer, args.optimizer)
+    if name not in opt_lib.OPTIMIZERS:
+      raise ValueError(f'--optimizer must be one of {sorted(PRESETS)} or a name of '
+                       f'examples/moe_lm/optimizers.py, got {args.optimizer!r}.')
   with tempfile.TemporaryDirectory() as tmp:
     work = Path(args.work or tmp)
     work.mkdir(parents=True, exist_ok=True)

@@ -274,7 +274,7 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
   evals: list[dict[str, Any]] = []
   ckpt, first = None, 0
   if tc.ckpt_dir is not None:
-    ckpt, resumed = resume(tc, params, opt_state)
+    ckpt, resumed = resume(tc, params, opt_state, sj.describe_state(tx, params))
     if resumed is not None:
       first, state, record = resumed
       params, opt_state = state['params'], state['opt_state']
@@ -360,7 +360,7 @@ def train(tc: TrainConfig, data: Optional[data_lib.ByteDataset] = None, *,
   }
 
 
-def resume(tc: TrainConfig, params: Any, opt_state: Any
+def resume(tc: TrainConfig, params: Any, opt_state: Any, description: Any = None
            ) -> tuple[checkpointing.TrainCheckpointer, Optional[tuple[int, Any, Any]]]:
   """The run's checkpointer, and `(step, state, record)` of its newest intact step.
 
@@ -369,7 +369,8 @@ def resume(tc: TrainConfig, params: Any, opt_state: Any
   """
   ckpt = checkpointing.TrainCheckpointer(
       tc.ckpt_dir, every=tc.ckpt_every, keep=tc.ckpt_keep, use_async=not tc.sync_ckpt,
-      show_fingerprints=tc.ckpt_fingerprints, log=lambda line: print(line, flush=True))
+      show_fingerprints=tc.ckpt_fingerprints, log=lambda line: print(line, flush=True),
+      description=description)  # sj.describe_state: a step of another codec is refused
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         {'params': params, 'opt_state': opt_state})
   return ckpt, ckpt.restore(target)

@@ -74,7 +74,9 @@ class Leaf:
     field = self.field
     if field is None or field[0] + 1 >= len(self.path):
       return None
-    return '/'.join(self.path[field[0] + 1:len(self.path) - int(self.coded)])
+    # A Flax box around a coded momentum keeps its `value` above `codes`/`scales`.
+    return _paths.join(_paths.path_segments(self.path[field[0] + 1:len(self.path)
+                                                      - int(self.coded)]))
 
 
 def dtype_of(x: Any) -> Optional[np.dtype]:

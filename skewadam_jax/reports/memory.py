@@ -304,7 +304,7 @@ def label_table(tx: Any, params: Any = None, *old_args: Any,
     tx, params = _alias.skewadam(1.0, tiers=tiers, param_labels=param_labels,
                                  batch_axes=batch_axes), tx
   trace = _trace.trace_init(tx, params, tiers=True)
-  if not trace.tiers:
+  if not trace.tiers and not trace.has_skewadam:
     raise ValueError('`tx` contains no sj.skewadam: `sj.label_table(tx, params)` shows '
                      'what a skewadam gives each parameter. For any optimizer\'s state '
                      'per tier, call `sj.memory_report(tx, params)`.')

@@ -49,6 +49,8 @@ class Trace:
   paths: tuple[str, ...]  # the parameters' normalised paths, in flattening order
   # parameter path -> what a skewadam gave it (tiers=True)
   tiers: Mapping[str, _recording.TierRecord]
+  # Whether `tx` holds a skewadam (tiers=True), also one that got no parameter.
+  has_skewadam: bool = False
 
 
 def trace_init(tx: optax.GradientTransformation, params: Any, *, tiers: bool = False
@@ -57,10 +59,10 @@ def trace_init(tx: optax.GradientTransformation, params: Any, *, tiers: bool = F
   with `tiers`, also what `skewadam` gives each parameter (`Trace.tiers`; only the label
   table reads it, and it labels the params once more for the notes)."""
   recorded: list[Any] = []
-  found: dict[str, _recording.TierRecord] = {}
+  found = _recording.TierTable()
 
   def init(p: Any) -> Any:
-    table: dict[str, _recording.TierRecord] = {}
+    table = _recording.TierTable()
     with _second_moment.recording_specs() as entries, (
         _recording.recording_tiers() if tiers else contextlib.nullcontext(table)) as table:
       state = tx.init(p)
@@ -68,6 +70,7 @@ def trace_init(tx: optax.GradientTransformation, params: Any, *, tiers: bool = F
       entry = entries.get(id(leaf))
       recorded.append(entry[1:] if entry is not None and entry[0] is leaf else None)
     found.update(table)
+    found.seen = found.seen or getattr(table, 'seen', False)
     return state
 
   state = jax.eval_shape(init, params)
@@ -80,4 +83,4 @@ def trace_init(tx: optax.GradientTransformation, params: Any, *, tiers: bool = F
       leaves.append(StateLeaf(leaf, index[entry[0]], (entry[1], entry[2])))
     else:
       leaves.append(StateLeaf(leaf, param, None))
-  return Trace(state, tuple(leaves), paths, found)
+  return Trace(state, tuple(leaves), paths, found, found.seen)

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from skewadam_jax.core import tree as _tree
 from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.estimators import codec as _codec
 from skewadam_jax.structure import axes as _axes
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import warning as _warning
@@ -32,15 +33,23 @@ class TierRecord:
   estimator: Optional[_second_moment.SecondMoment]
   batch_axes: tuple[int, ...]  # sorted, non-negative
   note: str  # the labeler's note: how structure decided the tier, or why it is a guess
+  # The codec its momentum is stored with (bound to the leaf), None for an array.
+  codec: Optional[_codec.StateCodec] = None
 
 
-_TIERS: contextvars.ContextVar[Optional[dict[str, TierRecord]]] = contextvars.ContextVar(
+class TierTable(dict):
+  """`{parameter path: TierRecord}`, and whether any `skewadam`'s `init` ran (`seen`):
+  a skewadam of an empty params tree records no parameter, yet it is there."""
+  seen: bool = False
+
+
+_TIERS: contextvars.ContextVar[Optional[TierTable]] = contextvars.ContextVar(
     'skewadam_jax_recorded_tiers', default=None)
 
 
 @contextlib.contextmanager
-def recording_tiers() -> Iterator[dict[str, TierRecord]]:
-  table: dict[str, TierRecord] = {}
+def recording_tiers() -> Iterator[TierTable]:
+  table = TierTable()
   token = _TIERS.set(table)
   try:
     yield table
@@ -62,6 +71,7 @@ def record_tiers(params: Any, tiers: Mapping[str, _tier.Tier], param_labels: Any
   table = _TIERS.get()
   if table is None:
     return
+  table.seen = True
   leaves, treedef = _paths.flatten_with_paths(params)
   axes, _ = _axes.batch_axes_and_notes(params, labels, batch_axes)
   with _warning.silenced():  # the labeler reported once already, in `init`
@@ -70,7 +80,9 @@ def record_tiers(params: Any, tiers: Mapping[str, _tier.Tier], param_labels: Any
     p = _tree.abstract_leaf(p)
     if _per_leaf.trains(p):
       estimator = _tier_leaf.leaf_estimator(tuple(p.shape), tiers[label], ax, path)
+      codec = _tier_leaf.leaf_codec(tuple(p.shape), tiers[label], ax, path)
     else:
-      estimator, note = None, (f'{p.dtype} leaf: no state, update 0 before weight decay '
-                               '(as optax.adamw\'s for a zero gradient)')
-    table.setdefault(path, TierRecord(label, estimator, tuple(ax), note))
+      estimator, codec, note = None, None, (
+          f'{p.dtype} leaf: no state, update 0 before weight decay '
+          '(as optax.adamw\'s for a zero gradient)')
+    table.setdefault(path, TierRecord(label, estimator, tuple(ax), note, codec))

@@ -31,9 +31,12 @@ import mesh_cases as mc  # noqa: E402  (beside this file)
 
 
 def issue() -> dict:
-  """The issue's cases on a 2 x 4 Explicit mesh, every preset (Auto: `generate`)."""
+  """The issue's cases on a 2 x 4 Explicit mesh, for the orthogonal presets that failed
+  them (the others, and Auto meshes: `generate`)."""
   out = {}
   for name, case in mc.issue_cases((2, 4)).items():
+    if case.preset not in ('muon', 'muon_coded'):
+      continue
     try:
       out[name] = mc.run_case(case)
     except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it

@@ -307,6 +307,9 @@ class Blockwise(StateCodec):
   def init(self, param: Any, path: str) -> Coded:
     codec = self._bound(tuple(param.shape), path)
     extents = codec._extents(path)
+    placed = _blocks.explicit_spec(param)
+    if placed is not None:  # an Explicit mesh: blocks that straddle shards raise here
+      codec.specs(placed.entries, codec.shape, placed.mesh, path)
     if not _inherits_sharding(param):
       return Coded(codec._packed_zeros(), jnp.zeros(codec._scales_shape(extents), jnp.float32))
     # Built from the parameter, so that the state is placed as it is, axis by axis.

@@ -51,10 +51,13 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.core import xla as _xla
 from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.estimators import blocks as _blocks
 from skewadam_jax.estimators.base import Spec
 from skewadam_jax.estimators.base import Stats
 from skewadam_jax.estimators.base import Step
@@ -266,16 +269,34 @@ class Orthogonal(_second_moment.SecondMoment):
     if s is None:
       s = step.num_scale * _xla.rsqrt(step.bc2) if step.floor else step.num_scale
     perm = batch + rows + (col,)
+    # Under an Explicit mesh every matrix is gathered whole (its matrix axes resharded
+    # to replicated) once per step, before the iteration: each Gram product then
+    # contracts an axis every device holds in full, and the reshapes below move no
+    # data. Sharded batch axes (experts, layers) stay where they lie: each device
+    # iterates its own matrices. The update is resharded back to `x`'s placement.
+    placed = _blocks.explicit_spec(x)
+    gathered = placed
+    if placed is not None:
+      entries = tuple(None if a in layout.matrix else e for a, e in enumerate(placed.entries))
+      gathered = placed._replace(entries=entries) if any(entries) else None
+      if entries != placed.entries:
+        x = jax.sharding.reshard(x, _named(placed._replace(entries=entries)))
+    # A sharded batch keeps its axes (merging them would move data between devices
+    # unless only the first were sharded), so its matrices are `[*batch, R, C]`.
     # The batch count spelled out, not -1: a zero-size leaf has no -1 to infer.
-    n = math.prod(x.shape[a] for a in batch)
-    mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(n, r, c)
+    lead = ((math.prod(x.shape[a] for a in batch),) if gathered is None
+            else tuple(x.shape[a] for a in batch))
+    mats = jnp.transpose(x.astype(jnp.float32) * s, perm).reshape(lead + (r, c))
     scale = (self.rms_scale * math.sqrt(max(r, c)) if self.rms_scale is not None
              else math.sqrt(max(1.0, c / r)))
 
     def finish(o: jax.Array) -> jax.Array:
       u = jnp.transpose((o * scale).reshape(tuple(x.shape[a] for a in perm)),
                         _inverse(perm))
-      return _second_moment.clipped(lambda u_: u_, (u,), layout, step.clip)
+      u = _second_moment.clipped(lambda u_: u_, (u,), layout, step.clip)
+      if placed is None or placed.entries == getattr(gathered, 'entries', None):
+        return u
+      return jax.sharding.reshard(u, _named(placed))
 
     return mats, finish
 
@@ -304,6 +325,10 @@ class _NoMatrix(_second_moment.SecondMoment):
   def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
              ) -> tuple[jax.Array, Stats]:  # pragma: no cover - init raises first
     raise AssertionError('unreachable: init rejects the leaf')
+
+
+def _named(placed: _blocks.Placed) -> NamedSharding:
+  return NamedSharding(placed.mesh, PartitionSpec(*placed.entries))
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:

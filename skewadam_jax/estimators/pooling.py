@@ -238,7 +238,9 @@ def expand_groups(nu: jax.Array, group_size: int, axis: Optional[int], n: int
     return nu
   axis = array_axis(axis, nu.ndim)
   if axis_shards(nu, axis)[0] is not None:  # named in an Explicit spec, even if 1 shard
-    return _expand_groups_sharded(nu, group_size, axis)
+    out = _expand_groups_sharded(nu, group_size, axis)
+    # A short last group only on one shard (a mesh axis of size 1): whole groups otherwise.
+    return out if out.shape[axis] == n else jax.lax.slice_in_dim(out, 0, n, axis=axis)
   # A gather with iota indices fuses into the consumer's loop in XLA, unlike
   # repeat + slice, so the full-size expanded array is never materialised.
   index = jnp.arange(n, dtype=jnp.int32) // group_size

@@ -315,6 +315,8 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   if defer and isinstance(estimator, _orthogonal.Orthogonal) and (
       type(estimator).update is _orthogonal.Orthogonal.update):
     mats, finish = estimator.prepare(x, step)
+    if _blocks.explicit_spec(mats) is not None:  # a sharded batch: iterated where it lies
+      return end(finish(_orthogonal.newton_schulz(mats, *estimator.iteration)), {})
     return Deferred(mats, (_orthogonal.wide(mats.shape), estimator.iteration), estimator,
                     lambda o: end(finish(o), {}))
   if (type(estimator) in _CACHED and _checks.is_concrete_number(step.b2)

@@ -1,6 +1,7 @@
 """SkewAdam's tier rule against the NumPy reference and exact identities."""
 
 import dataclasses
+import pickle
 
 import hypothesis
 import hypothesis.strategies as st
@@ -101,6 +102,66 @@ def test_adam_router_tiers_differ_from_published_only_in_the_router():
   assert sj.ADAM_ROUTER_TIERS['router'] == sj.ADAM_EPS_TIERS['router']
   extra, router = _extra_state_bytes(sj.ADAM_ROUTER_TIERS)
   assert router > 0 and extra == router
+
+
+PRESETS = ['PUBLISHED_TIERS', 'ADAM_EPS_TIERS', 'ADAM_ROUTER_TIERS', 'MUON_TIERS',
+           'MUON_CODED_TIERS']
+# Every way a dict is changed in place.
+CHANGES = {
+    'setitem': lambda tiers: tiers.__setitem__('router', sj.Tier()),
+    'delitem': lambda tiers: tiers.__delitem__('router'),
+    'update': lambda tiers: tiers.update(router=sj.Tier()),
+    'pop': lambda tiers: tiers.pop('router'),
+    'popitem': lambda tiers: tiers.popitem(),
+    'setdefault': lambda tiers: tiers.setdefault('new', sj.Tier()),
+    'clear': lambda tiers: tiers.clear(),
+    'ior': lambda tiers: tiers.__ior__({'router': sj.Tier()}),
+    'setattr': lambda tiers: setattr(tiers, '_tiers', {}),
+}
+
+
+@pytest.mark.parametrize('name', PRESETS)
+def test_presets_are_read_only_and_every_later_default_stays(name):
+  preset = getattr(sj, name)
+  before = dict(preset)
+  params = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in init_params().items()}
+  default_bytes = sj.memory_report(sj.skewadam(1e-3), nest(params)).total_state_bytes
+  for change, apply in CHANGES.items():
+    with pytest.raises(TypeError, match=rf'{name} is read-only .*dict\(sj\.{name}\).*tiers='):
+      apply(preset)
+    assert dict(preset) == before, change
+  # The default optimizer is the published one still, not what a caller tried.
+  assert sj.memory_report(sj.skewadam(1e-3), nest(params)).total_state_bytes == default_bytes
+  assert sj.PUBLISHED_TIERS['router'] == sj.Tier(momentum=False, second_moment='exact',
+                                                 apply_weight_decay=False)
+
+
+@pytest.mark.parametrize('name', PRESETS)
+def test_a_preset_copies_into_a_dict_that_every_tiers_argument_takes(name):
+  preset = getattr(sj, name)
+  copy = dict(preset)
+  assert copy == preset and preset == copy and len(preset) == len(copy)
+  assert list(preset) == list(copy) and {**preset} == copy
+  assert preset | {'extra': sj.Tier()} == {**copy, 'extra': sj.Tier()}
+  assert {'extra': sj.Tier()} | preset == {'extra': sj.Tier(), **copy}
+  copy['router'] = copy['router'].replace(lr_scale=0.5)  # the copy is the caller's
+  assert preset['router'].lr_scale == 1.0
+  assert pickle.loads(pickle.dumps(preset)) == preset
+  # The frozen preset and its plain-dict copy build the same optimizer.
+  params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), nest(init_params()))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
+  results = []
+  for tiers in (preset, dict(preset)):
+    tx = sj.skewadam(1e-3, tiers=tiers)
+    state = tx.init(params)
+    updates, _ = tx.update(grads, state, params)
+    results.append((jax.tree.structure(state), updates))
+  assert results[0][0] == results[1][0]
+  jax.tree.map(np.testing.assert_array_equal, results[0][1], results[1][1])
+  table = [(r.path, r.tier) for r in sj.label_table(sj.skewadam(1e-3, tiers=dict(preset)),
+                                                    params).rows]
+  assert table == [(r.path, r.tier)
+                   for r in sj.label_table(sj.skewadam(1e-3, tiers=preset), params).rows]
 
 
 # A smaller tree for the option grid: stacked odd experts, a matrix with tiny

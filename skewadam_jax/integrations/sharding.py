@@ -226,8 +226,7 @@ def state_shardings(
     >>> shardings[0].v_row['experts']['w1']
     P('expert', None)
   """
-  tx, params = _checks.transform_first(
-      tx, params, 'sj.state_shardings(tx, params, param_shardings)')
+  _checks.check_transform_first(tx, params, 'sj.state_shardings(tx, params, param_shardings)')
   return _shardings_and_state(tx, params, param_shardings, mesh)[0]
 
 
@@ -278,7 +277,7 @@ def sharded_abstract_state(
   Returns:
     A pytree of `jax.ShapeDtypeStruct`s with the structure of `tx.init(params)`.
   """
-  tx, params = _checks.transform_first(
+  _checks.check_transform_first(
       tx, params, 'sj.sharded_abstract_state(tx, params, param_shardings)')
   shardings, abstract = _shardings_and_state(tx, params, param_shardings, mesh)
   if not all(isinstance(s, Sharding) for s in jax.tree.leaves(shardings)):

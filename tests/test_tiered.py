@@ -358,35 +358,16 @@ def test_tier_field_is_apply_weight_decay():
   assert sj.PUBLISHED_TIERS['backbone'].apply_weight_decay is True
 
 
-def test_the_old_weight_decay_spelling_warns_and_means_apply_weight_decay():
-  new = sj.Tier(momentum=False, apply_weight_decay=False)
-  old_spellings = [
-      lambda: sj.Tier(momentum=False, weight_decay=False),
-      lambda: sj.Tier(momentum=False).replace(weight_decay=False),
-      lambda: sj.Tier(momentum=False, apply_weight_decay=True).replace(weight_decay=False),
-  ]
-  for make in old_spellings:
-    with pytest.warns(DeprecationWarning, match='apply_weight_decay') as record:
-      tier = make()
-    assert tier == new and hash(tier) == hash(new) and repr(tier) == repr(new)
-    assert {r.filename for r in record} == {__file__}  # the warning points at the caller
-  with pytest.warns(DeprecationWarning, match='apply_weight_decay') as record:
-    assert new.weight_decay is False
-  assert {r.filename for r in record} == {__file__}
-  with pytest.warns(DeprecationWarning, match='apply_weight_decay'):
-    assert sj.Tier().weight_decay is True
-  with pytest.warns(DeprecationWarning, match='apply_weight_decay'):
+def test_the_removed_weight_decay_spelling_is_a_type_error():
+  # `weight_decay` is `skewadam`'s rate; a tier's flag is only `apply_weight_decay`.
+  with pytest.raises(TypeError, match="unexpected keyword argument 'weight_decay'"):
+    sj.Tier(momentum=False, weight_decay=False)
+  with pytest.raises(TypeError, match=r"Unknown Tier option\(s\) \['weight_decay'\].*"
+                                      r'apply_weight_decay'):
+    sj.Tier(momentum=False).replace(weight_decay=False)
+  with pytest.raises(TypeError, match='weight_decay'):
     sj.scale_by_tiered_adam(weight_decay=False, momentum=False)
-
-
-def test_old_and_new_weight_decay_spellings_together_are_a_type_error():
-  both = 'Pass `apply_weight_decay` only: `weight_decay` is its deprecated name'
-  with pytest.raises(TypeError, match=both):
-    sj.Tier(weight_decay=False, apply_weight_decay=False)
-  with pytest.raises(TypeError, match=both):
-    sj.Tier().replace(weight_decay=True, apply_weight_decay=True)
-  with pytest.raises(TypeError, match=both):  # the new field positionally, the old keyword
-    sj.Tier(True, jnp.float32, 'factored', 8, -1, 1.0, 'floor', False, weight_decay=False)
+  assert not hasattr(sj.Tier(), 'weight_decay')
 
 
 def test_a_weight_decay_flag_that_is_not_a_bool_is_a_type_error_naming_it():
@@ -394,9 +375,6 @@ def test_a_weight_decay_flag_that_is_not_a_bool_is_a_type_error_naming_it():
     sj.Tier(apply_weight_decay=1)
   with pytest.raises(TypeError, match='`apply_weight_decay` must be a bool, got 0'):
     sj.Tier().replace(apply_weight_decay=0)
-  with pytest.warns(DeprecationWarning), pytest.raises(
-      TypeError, match=r'`weight_decay` \(now `apply_weight_decay`\) must be a bool, got 1'):
-    sj.Tier(weight_decay=1)
 
 
 @pytest.mark.parametrize('momentum', [True, False])

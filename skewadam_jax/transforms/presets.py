@@ -190,23 +190,17 @@ MUON_TIERS: FrozenTiers = FrozenTiers(name='MUON_TIERS', tiers={
 # does, instead of their gradient; the 5-seed sweep put that (with fp32 momentum) ahead
 # of Muon, at half of AdamW's state, because the expert bank is most of an MoE's
 # parameters. Under a tenth of AdamW's state that momentum gets at most about 6 bits per
-# parameter, so it is stored as 6-bit linear absmax codes in blocks of 256 (0.766 B per
-# parameter instead of 4), as is the hidden tier's; the backbone's Adam momentum
-# (embeddings, norms) as 8-bit codes in blocks of 256. Every code is rounded to nearest:
+# parameter, so it is stored as 6-bit linear absmax codes in blocks of 256, as is the
+# hidden tier's; the backbone's Adam momentum (embeddings, norms) as 8-bit codes in blocks
+# of 256. Every code is rounded to nearest:
 # stochastic rounding re-draws each code's error at every step and the momentum sums
 # them (a variance of about 10 steps' errors at b1 = 0.95), where round-to-nearest keeps
 # each error within half a level; it drops a step's change below half a level (s / 62 at
-# 6 bits), which 0.05 g rarely is. Measured in the quality sweep (2000 steps, 5 seeds, at
-# 1e-2 as the fp32 form; docs/policies.md): within the seeds' spread of the same policy
-# with fp32 momentum (+0.3% ± 0.4%), 4.0% below Muon's loss, 1.4% below the first 4-bit
-# expert codes (stochastic, blocks of 64; 8.5% of AdamW's state), level with every leaf
-# coded (+0.0% ± 0.3%), which was 1.2% below the same widths rounded stochastically (4
-# seeds).
+# 6 bits), which 0.05 g rarely is. In the quality sweep it matched the same policy with
+# fp32 momentum within the seeds' spread (the figures: see benchmarks/RESULTS.md).
 # `fit='nearest'`: a width that 256 does not divide (DeepSeek-MoE's 10944, 1408) gets the
-# nearest block size that fits instead of an error. On the published 6.78B
-# configuration: 9.7% of AdamW's state (benchmarks/memory.py). Every tier runs at the
-# one lr (`lr_scale=1`): in the sweep (2000 steps, 3e-2) scaling the Adam-like tiers
-# (embeddings, norms, router) by 0.3 or 0.1 ended worse (1.2815, 1.3654 against 1.2604).
+# nearest block size that fits instead of an error. Every tier runs at the one lr
+# (`lr_scale=1`): scaling the Adam-like tiers down ended worse in the sweep.
 # `min_size=4096` (bitsandbytes' `min_8bit_size`): a leaf under 4096 elements (a norm's
 # gain, a bias) keeps an fp32 momentum; its codes would save a few KB and cost the first
 # step kernels compiled for its shape alone (benchmarks/compile_time.py).

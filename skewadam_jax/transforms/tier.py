@@ -65,19 +65,11 @@ class Tier:
 
   Memory: every estimator keeps the step free of full-size temporaries, in any layout
   of batch axes, except a `'grouped'` tier with a clip whose groups do not divide the
-  pooled axis, where the clip recomputes the update through a gather. XLA temporaries
-  of `jit(update + apply)` measured on XLA:CPU for a float32 [256, 4, 256] leaf
-  (1,048,576 B): in groups of 3 along the last axis, 1,403,908 B (1.34x the leaf) with
-  momentum, 1,056,768 B (1.01x) without. Dividing groups cost nothing of the leaf's
-  size, along a matrix axis or a batch axis: 131,140 B with `batch_axes=(1,)` in groups
-  of 8 along the last axis, 132,100 B in groups of 8 along the first axis of the default
-  layout, 524,356 B (the size of the pooled statistic) in groups of 2 along the batch
-  axis of `batch_axes=(1,)`; nor does any case without the clip. Pool in dividing
-  groups, or drop the clip, where memory is tight. On XLA:CPU only (the barrier that
-  keeps the clip's two passes apart is left out on GPUs), a `nesterov` tier with a clip
-  also materialises its numerator `x`: 1,060,996 B (1.01x) factored, 1,048,708 B (1.00x)
-  exact, on the same leaf with `batch_axes=(1,)` (8,388 B and 132 B without the clip;
-  `MUON_TIERS`' Nesterov tier has none).
+  pooled axis, where the clip recomputes the update through a gather (temporaries of
+  about the leaf's size or more). Pool in dividing groups, or drop the clip, where memory is
+  tight. On XLA:CPU only (the barrier that keeps the clip's two passes apart is left out
+  on GPUs), a `nesterov` tier with a clip also materialises its numerator `x`
+  (`MUON_TIERS`' Nesterov tier has none). The figures: see benchmarks/RESULTS.md.
   """
   momentum: bool = True
   mu_dtype: Any = jnp.float32

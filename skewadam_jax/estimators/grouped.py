@@ -14,7 +14,7 @@ group value `s` times and crops. Pooling and the moving average are both linear,
 `nu` equals `groupmean_s` of Adam's `v` exactly, and `s = 1` is Adam.
 
 One implementation serves both users: `Grouped` is the estimator of a `'grouped'`
-SkewAdam tier, and AdamPM's `scale_by_grouped_second_moment` (in `_adampm`) is
+SkewAdam tier, and AdamPM's `scale_by_grouped_second_moment` (in `transforms.adampm`) is
 momentum plus the same estimator. The pooling itself (`groupmean`,
 `expand_groups`) and its sharding checks are in `pooling`.
 

@@ -14,9 +14,9 @@ shardings must be given, and a state leaf does not always have its parameter's r
 
 Each statistic's spec comes from the estimator that made it (`SecondMoment.specs`,
 a spec or a pytree of specs): while `state_shardings` traces the optimizer's `init`
-(`_trace.trace_init`), every estimator records which state leaves are its statistics,
+(`reports.trace.trace_init`), every estimator records which state leaves are its statistics,
 of which parameter. State of other optax transforms (AdamW's `mu`/`nu`, Adafactor's
-factors) is matched to its parameter by the state walk (`_walk`), its spec by shape.
+factors) is matched to its parameter by the state walk (`reports.walk`), its spec by shape.
 
 `optax.tree_utils.tree_map_params` hands every params-shaped subtree the parameter's
 full-rank spec, which is wrong for the reduced statistics (and it cannot even run our

@@ -1,7 +1,7 @@
 """Memory accounting from abstract shapes: nothing is allocated.
 
 Every report reads the optimizer that was built, from one abstract trace of its
-`init` (`_trace.trace_init`): `memory_report` attributes every state leaf that follows
+`init` (`reports.trace.trace_init`): `memory_report` attributes every state leaf that follows
 the params to its parameter's tier, and `label_table` shows what a `skewadam` gives
 each parameter and what its state costs.
 

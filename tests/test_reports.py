@@ -108,7 +108,7 @@ def test_label_table_is_an_object_with_format_and_its_rows():
 
 
 def test_removed_spellings_raise_naming_the_new_form():
-  # 0.1 removed the params-first forms and `format_label_table`: each is an error now.
+  # The params-first forms and `format_label_table` are removed: each is an error now.
   tx = sj.skewadam(1e-3, tiers=sj.ADAM_EPS_TIERS)
   assert not hasattr(sj, 'format_label_table')
   with pytest.raises(TypeError, match=r'swapped\. Call sj.memory_report\(tx, params\)'):

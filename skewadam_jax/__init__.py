@@ -55,7 +55,6 @@ from skewadam_jax.structure.traced import trace_structure
 # Reports: what each leaf gets and costs, read from the optimizer before training
 # (nothing is allocated).
 from skewadam_jax.structure.labels import LeafReport
-from skewadam_jax.reports.memory import format_label_table
 from skewadam_jax.reports.memory import label_table
 from skewadam_jax.reports.memory import LabelTable
 from skewadam_jax.reports.memory import memory_report
@@ -127,7 +126,6 @@ __all__ = (
     'LeafReport',
     'MemoryReport',
     'TierMemory',
-    'format_label_table',
     'label_table',
     'memory_report',
     'optimizer_state_bytes',

@@ -150,8 +150,8 @@ def test_adampm_arguments_after_eps_are_keywords_in_optax_adamw_order():
   adamw = [n for n in inspect.signature(optax.adamw).parameters if n in names]
   assert [n for n in names if n in adamw] == adamw  # the same relative order
   assert names[:4] == ['learning_rate', 'b1', 'b2', 'eps']
-  # Before, the fifth positional argument was weight_decay (optax.adamw's is eps_root).
-  with pytest.raises(TypeError, match=r'keyword-only.*weight_decay=0\.1'):
+  # A fifth positional argument is refused (optax.adamw's would be eps_root).
+  with pytest.raises(TypeError, match=r'takes from 1 to 4 positional arguments'):
     sj.adampm(1e-3, 0.9, 0.999, 1e-8, 0.1)
   a = sj.adampm(1e-3, 0.9, 0.999, 1e-8, weight_decay=0.1)
   params = {'w': jnp.ones((4, 8))}

@@ -28,7 +28,7 @@ class RowMean(sj.SecondMoment):
 
   name = 'row mean'
 
-  def for_leaf(self, shape):
+  def for_leaf(self, shape, batch_axes=None):
     return self if len(shape) >= 2 else sj.Exact()
 
   def init(self, param, path):

@@ -150,7 +150,7 @@ def test_groupmean_and_expand_groups_take_negative_axes(axis):
 
 def test_axis_and_group_axis_name_one_option():
   """`axis=` is AdamPM's documented keyword; `group_axis=` (Tier's spelling) is the same
-  option; both, differing, are an error; `Grouped(axis=)` is deprecated for `group_axis`."""
+  option; both, differing, are an error; the estimator `Grouped` takes `group_axis` only."""
   params = {'w': jnp.zeros((8, 12))}
   new = sj.adampm(1e-3, group_axis=0).init(params)
   assert new[0].nu['w'].shape == (1, 12)
@@ -167,8 +167,8 @@ def test_axis_and_group_axis_name_one_option():
     sj.adampm(1e-3, axis=0, group_axis=1)
   with pytest.raises(TypeError, match='same option'):
     sj.scale_by_grouped_second_moment(axis=1, group_axis=0)
-  with pytest.warns(DeprecationWarning, match='group_axis'):
-    assert sj.Grouped(4, axis=0) == sj.Grouped(4, 0)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'axis'"):
+    sj.Grouped(4, axis=0)
   with pytest.raises(ValueError, match='`axis`=2'):
     sj.adampm(1e-3, axis=2).init(params)  # errors name the argument as given
   with pytest.raises(ValueError, match='`group_axis`=2'):

@@ -242,7 +242,10 @@ def test_inject_hyperparams_matches_plain_factory(name):
   grads = _moe_grads(params, seed=9)
   doubled, _ = inject_update(grads, istate, params)
   single, _ = plain_update(grads, state, params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 2 * b, rtol=1e-5, atol=1e-9),
+  # atol as for the updates above: where Adam's step and the weight decay nearly cancel,
+  # the difference keeps the float32 rounding of terms of ~0.03 (an ulp is ~4e-9 there),
+  # which jit may round differently (jax 0.5.3 did by 1.5e-9 on one element).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 2 * b, rtol=1e-5, atol=1e-7),
                doubled, single)
 
 

@@ -85,11 +85,16 @@ def test_label_table_finds_the_skewadam_inside_optax_wrappers(wrap):
 def test_label_table_of_an_optimizer_without_skewadam_names_tx():
   with pytest.raises(ValueError, match=r'`tx` contains no sj.skewadam.*sj.memory_report'):
     sj.label_table(optax.adamw(1e-3), PARAMS)
-  with pytest.deprecated_call(match=r'call sj.label_table\(tx, params\)'):
-    swapped = sj.label_table(PARAMS, sj.skewadam(1e-3))  # the old order, swapped back
-  assert swapped.format() == sj.label_table(sj.skewadam(1e-3), PARAMS).format()
-  with pytest.raises(TypeError, match=r'pass `tiers`, `param_labels` and `batch_axes` to'):
+  with pytest.raises(TypeError, match=r'`tx` must be the optimizer.*swapped.*'
+                     r'sj.label_table\(tx, params\)'):
+    sj.label_table(PARAMS, sj.skewadam(1e-3))
+  with pytest.raises(TypeError, match=r'`tx` must be an optax.GradientTransformation'):
+    sj.label_table(PARAMS, PARAMS)
+  # The tiers, labels and batch axes are the skewadam's, never the report's.
+  with pytest.raises(TypeError, match=r'positional argument'):
     sj.label_table(sj.skewadam(1e-3), PARAMS, sj.MUON_TIERS)
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'tiers'"):
+    sj.label_table(PARAMS, tiers=sj.MUON_TIERS)
 
 
 def test_label_table_is_an_object_with_format_and_its_rows():
@@ -102,46 +107,16 @@ def test_label_table_is_an_object_with_format_and_its_rows():
   assert text.splitlines()[-1].startswith(f'4 leaves, {table.total_state_bytes:,} B')
 
 
-def test_old_spellings_still_work_with_a_deprecation_warning():
+def test_removed_spellings_raise_naming_the_new_form():
+  # The params-first forms and `format_label_table` are removed: each is an error now.
   tx = sj.skewadam(1e-3, tiers=sj.ADAM_EPS_TIERS)
-  new = sj.label_table(tx, PARAMS)
-  with pytest.warns(DeprecationWarning, match=r'sj.label_table\(sj.skewadam\(lr, tiers='):
-    old = sj.label_table(PARAMS, tiers=sj.ADAM_EPS_TIERS)
-  assert _summary(old) == _summary(new)
-  with pytest.warns(DeprecationWarning, match=r'label_table\(tx, params\).format\(\)'):
-    assert sj.format_label_table(list(old)) == new.format()
-
-
-def test_old_positional_forms_work_with_a_deprecation_warning():
-  """The documented pre-deprecation order `label_table(params, tiers, param_labels,
-  batch_axes)`, by position, by keyword or mixed, reads the skewadam it describes."""
-  labels = {'embed': 'backbone', 'norm': 'backbone', 'moe': {'router': 'router',
-                                                            'experts': {'w1': 'experts'}}}
-  axes = {'embed': (), 'norm': (), 'moe': {'router': (), 'experts': {'w1': (0,)}}}
-  tiers = sj.ADAM_EPS_TIERS
-  new = _summary(sj.label_table(sj.skewadam(1e-3, tiers=tiers, param_labels=labels,
-                                            batch_axes=axes), PARAMS))
-  for call in (lambda: sj.label_table(PARAMS, tiers, labels, axes),
-               lambda: sj.label_table(PARAMS, tiers, labels, batch_axes=axes),
-               lambda: sj.label_table(PARAMS, tiers, param_labels=labels, batch_axes=axes),
-               lambda: sj.label_table(PARAMS, tiers=tiers, param_labels=labels,
-                                      batch_axes=axes)):
-    with pytest.deprecated_call(match=r'sj.label_table\(sj.skewadam\(lr, tiers='):
-      assert _summary(call()) == new
-  with pytest.deprecated_call():
-    assert _summary(sj.label_table(PARAMS, tiers)) == _summary(
-        sj.label_table(sj.skewadam(1e-3, tiers=tiers), PARAMS))
-  with pytest.deprecated_call(), pytest.raises(TypeError, match='got `tiers` twice'):
-    sj.label_table(PARAMS, tiers, tiers=tiers)
-  with pytest.deprecated_call(), pytest.raises(TypeError, match='got `batch_axes` twice'):
-    sj.label_table(PARAMS, tiers, labels, axes, batch_axes=axes)
-  # memory_report's old order, (params, tx), with and without its keyword labels.
-  tx = sj.skewadam(1e-3, tiers=tiers)
-  with pytest.deprecated_call(match=r'call sj.memory_report\(tx, params\)'):
-    assert sj.memory_report(PARAMS, tx) == sj.memory_report(tx, PARAMS)
-  with pytest.deprecated_call():
-    assert sj.memory_report(PARAMS, tx, param_labels=labels) == sj.memory_report(
-        tx, PARAMS, param_labels=labels)
+  assert not hasattr(sj, 'format_label_table')
+  with pytest.raises(TypeError, match=r'swapped\. Call sj.memory_report\(tx, params\)'):
+    sj.memory_report(PARAMS, tx)
+  with pytest.raises(TypeError, match=r'swapped\. Call sj.memory_report\(tx, params\)'):
+    sj.memory_report(PARAMS, tx, param_labels=sj.moe_param_labels)
+  with pytest.raises(TypeError, match=r'missing 1 required positional argument'):
+    sj.label_table(PARAMS)
 
 
 def test_memory_report_groups_every_optimizer_by_the_same_labels():

@@ -1,6 +1,7 @@
 """SkewAdam's tier rule against the NumPy reference and exact identities."""
 
 import dataclasses
+import pickle
 
 import hypothesis
 import hypothesis.strategies as st
@@ -101,6 +102,66 @@ def test_adam_router_tiers_differ_from_published_only_in_the_router():
   assert sj.ADAM_ROUTER_TIERS['router'] == sj.ADAM_EPS_TIERS['router']
   extra, router = _extra_state_bytes(sj.ADAM_ROUTER_TIERS)
   assert router > 0 and extra == router
+
+
+PRESETS = ['PUBLISHED_TIERS', 'ADAM_EPS_TIERS', 'ADAM_ROUTER_TIERS', 'MUON_TIERS',
+           'MUON_CODED_TIERS']
+# Every way a dict is changed in place.
+CHANGES = {
+    'setitem': lambda tiers: tiers.__setitem__('router', sj.Tier()),
+    'delitem': lambda tiers: tiers.__delitem__('router'),
+    'update': lambda tiers: tiers.update(router=sj.Tier()),
+    'pop': lambda tiers: tiers.pop('router'),
+    'popitem': lambda tiers: tiers.popitem(),
+    'setdefault': lambda tiers: tiers.setdefault('new', sj.Tier()),
+    'clear': lambda tiers: tiers.clear(),
+    'ior': lambda tiers: tiers.__ior__({'router': sj.Tier()}),
+    'setattr': lambda tiers: setattr(tiers, '_tiers', {}),
+}
+
+
+@pytest.mark.parametrize('name', PRESETS)
+def test_presets_are_read_only_and_every_later_default_stays(name):
+  preset = getattr(sj, name)
+  before = dict(preset)
+  params = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in init_params().items()}
+  default_bytes = sj.memory_report(sj.skewadam(1e-3), nest(params)).total_state_bytes
+  for change, apply in CHANGES.items():
+    with pytest.raises(TypeError, match=rf'{name} is read-only .*dict\(sj\.{name}\).*tiers='):
+      apply(preset)
+    assert dict(preset) == before, change
+  # The default optimizer is the published one still, not what a caller tried.
+  assert sj.memory_report(sj.skewadam(1e-3), nest(params)).total_state_bytes == default_bytes
+  assert sj.PUBLISHED_TIERS['router'] == sj.Tier(momentum=False, second_moment='exact',
+                                                 apply_weight_decay=False)
+
+
+@pytest.mark.parametrize('name', PRESETS)
+def test_a_preset_copies_into_a_dict_that_every_tiers_argument_takes(name):
+  preset = getattr(sj, name)
+  copy = dict(preset)
+  assert copy == preset and preset == copy and len(preset) == len(copy)
+  assert list(preset) == list(copy) and {**preset} == copy
+  assert preset | {'extra': sj.Tier()} == {**copy, 'extra': sj.Tier()}
+  assert {'extra': sj.Tier()} | preset == {'extra': sj.Tier(), **copy}
+  copy['router'] = copy['router'].replace(lr_scale=0.5)  # the copy is the caller's
+  assert preset['router'].lr_scale == 1.0
+  assert pickle.loads(pickle.dumps(preset)) == preset
+  # The frozen preset and its plain-dict copy build the same optimizer.
+  params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), nest(init_params()))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
+  results = []
+  for tiers in (preset, dict(preset)):
+    tx = sj.skewadam(1e-3, tiers=tiers)
+    state = tx.init(params)
+    updates, _ = tx.update(grads, state, params)
+    results.append((jax.tree.structure(state), updates))
+  assert results[0][0] == results[1][0]
+  jax.tree.map(np.testing.assert_array_equal, results[0][1], results[1][1])
+  table = [(r.path, r.tier) for r in sj.label_table(sj.skewadam(1e-3, tiers=dict(preset)),
+                                                    params).rows]
+  assert table == [(r.path, r.tier)
+                   for r in sj.label_table(sj.skewadam(1e-3, tiers=preset), params).rows]
 
 
 # A smaller tree for the option grid: stacked odd experts, a matrix with tiny
@@ -297,35 +358,16 @@ def test_tier_field_is_apply_weight_decay():
   assert sj.PUBLISHED_TIERS['backbone'].apply_weight_decay is True
 
 
-def test_the_old_weight_decay_spelling_warns_and_means_apply_weight_decay():
-  new = sj.Tier(momentum=False, apply_weight_decay=False)
-  old_spellings = [
-      lambda: sj.Tier(momentum=False, weight_decay=False),
-      lambda: sj.Tier(momentum=False).replace(weight_decay=False),
-      lambda: sj.Tier(momentum=False, apply_weight_decay=True).replace(weight_decay=False),
-  ]
-  for make in old_spellings:
-    with pytest.warns(DeprecationWarning, match='apply_weight_decay') as record:
-      tier = make()
-    assert tier == new and hash(tier) == hash(new) and repr(tier) == repr(new)
-    assert {r.filename for r in record} == {__file__}  # the warning points at the caller
-  with pytest.warns(DeprecationWarning, match='apply_weight_decay') as record:
-    assert new.weight_decay is False
-  assert {r.filename for r in record} == {__file__}
-  with pytest.warns(DeprecationWarning, match='apply_weight_decay'):
-    assert sj.Tier().weight_decay is True
-  with pytest.warns(DeprecationWarning, match='apply_weight_decay'):
+def test_the_removed_weight_decay_spelling_is_a_type_error():
+  # `weight_decay` is `skewadam`'s rate; a tier's flag is only `apply_weight_decay`.
+  with pytest.raises(TypeError, match="unexpected keyword argument 'weight_decay'"):
+    sj.Tier(momentum=False, weight_decay=False)
+  with pytest.raises(TypeError, match=r"Unknown Tier option\(s\) \['weight_decay'\].*"
+                                      r'apply_weight_decay'):
+    sj.Tier(momentum=False).replace(weight_decay=False)
+  with pytest.raises(TypeError, match='weight_decay'):
     sj.scale_by_tiered_adam(weight_decay=False, momentum=False)
-
-
-def test_old_and_new_weight_decay_spellings_together_are_a_type_error():
-  both = 'Pass `apply_weight_decay` only: `weight_decay` is its deprecated name'
-  with pytest.raises(TypeError, match=both):
-    sj.Tier(weight_decay=False, apply_weight_decay=False)
-  with pytest.raises(TypeError, match=both):
-    sj.Tier().replace(weight_decay=True, apply_weight_decay=True)
-  with pytest.raises(TypeError, match=both):  # the new field positionally, the old keyword
-    sj.Tier(True, jnp.float32, 'factored', 8, -1, 1.0, 'floor', False, weight_decay=False)
+  assert not hasattr(sj.Tier(), 'weight_decay')
 
 
 def test_a_weight_decay_flag_that_is_not_a_bool_is_a_type_error_naming_it():
@@ -333,9 +375,6 @@ def test_a_weight_decay_flag_that_is_not_a_bool_is_a_type_error_naming_it():
     sj.Tier(apply_weight_decay=1)
   with pytest.raises(TypeError, match='`apply_weight_decay` must be a bool, got 0'):
     sj.Tier().replace(apply_weight_decay=0)
-  with pytest.warns(DeprecationWarning), pytest.raises(
-      TypeError, match=r'`weight_decay` \(now `apply_weight_decay`\) must be a bool, got 1'):
-    sj.Tier(weight_decay=1)
 
 
 @pytest.mark.parametrize('momentum', [True, False])

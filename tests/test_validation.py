@@ -8,7 +8,6 @@ numbers, so traced values (`optax.inject_hyperparams`, `jax.jit`) still pass.
 from __future__ import annotations
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -349,20 +348,22 @@ def test_injected_weight_decay_still_works(make):
 
 
 @pytest.mark.parametrize('tiers', ['x', ['backbone'], {}, 3])
-@pytest.mark.parametrize('where', ['skewadam', 'label_table'])
+@pytest.mark.parametrize('where', ['skewadam', 'scale_by_tiers'])
 def test_tiers_that_are_not_a_mapping_of_tiers_name_tiers(where, tiers):
   call = {'skewadam': lambda: sj.skewadam(1e-3, tiers=tiers),
-          'label_table': lambda: sj.label_table(PARAMS, tiers=tiers)}[where]  # old form
+          'scale_by_tiers': lambda: sj.scale_by_tiers(tiers, None)}[where]
   with pytest.raises(TypeError, match=r'`tiers` must be a non-empty mapping from tier name '
-                                      r'\(a str\) to skewadam_jax.Tier'), warnings.catch_warnings():
-    warnings.simplefilter('ignore', DeprecationWarning)
+                                      r'\(a str\) to skewadam_jax.Tier'):
     call()
 
 
-def test_label_table_checks_each_tier():
-  with pytest.raises(TypeError, match=r"`tiers\['router'\]` must be a skewadam_jax.Tier"), \
-      pytest.deprecated_call():  # the old form validates the tiers as skewadam does
-    sj.label_table(PARAMS, tiers={**sj.PUBLISHED_TIERS, 'router': 'exact'})
+@pytest.mark.parametrize('where', ['skewadam', 'scale_by_tiers'])
+def test_each_tier_is_checked_in_a_frozen_preset_copy_as_in_a_dict(where):
+  tiers = {**sj.PUBLISHED_TIERS, 'router': 'exact'}
+  make = {'skewadam': lambda: sj.skewadam(1e-3, tiers=tiers),
+          'scale_by_tiers': lambda: sj.scale_by_tiers(tiers, None)}[where]
+  with pytest.raises(TypeError, match=r"`tiers\['router'\]` must be a skewadam_jax.Tier"):
+    make()
 
 
 def _mesh():
@@ -380,23 +381,14 @@ def _mesh():
      lambda tx: sj.sharded_abstract_state(tx, PARAMS, None, mesh=_mesh())),
 ], ids=['optimizer_state_bytes', 'label_table', 'memory_report', 'state_shardings',
         'sharded_abstract_state'])
-def test_every_report_swaps_the_old_order_back_with_one_deprecation(swapped, right):
-  # One behaviour for every report: the old order (params first) works as promised, with
-  # one DeprecationWarning that names the right call and points at this line.
+def test_every_report_refuses_the_swapped_order_naming_tx(swapped, right):
+  # One behaviour for every report: params first is a TypeError that names `tx`, says
+  # the arguments are swapped and gives the right call; the right call works.
   tx = sj.skewadam(1e-3)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter('always')
-    got = swapped(tx)
-  deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-  assert len(deprecations) == 1, [str(w.message) for w in caught]
-  assert re.search(r'is deprecated: call `?sj\.\w+\(tx, params', str(deprecations[0].message))
-  assert deprecations[0].filename == __file__
-  want = right(tx)
-  if hasattr(want, 'format'):
-    assert got.format() == want.format()
-  else:
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    assert jax.tree.leaves(got) == jax.tree.leaves(want)
+  with pytest.raises(TypeError, match=r'^`tx` must be the optimizer, got dict, .*swapped\. '
+                                      r'Call sj\.\w+\(tx, params'):
+    swapped(tx)
+  assert right(tx) is not None
 
 
 # ---------------------------------------------------------------------------------------

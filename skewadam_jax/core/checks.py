@@ -8,10 +8,8 @@ pass through unchanged so that they can still be traced.
 from __future__ import annotations
 
 import difflib
-import inspect
 import math
 import numbers
-import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import jax
@@ -201,40 +199,24 @@ def _short_repr(value: Any, limit: int = 80) -> str:
   return text if len(text) <= limit else text[:limit - 3] + '...'
 
 
-def _stacklevel_outside_library() -> int:
-  """The `stacklevel` of the first frame outside skewadam_jax, seen from the caller of
-  `warnings.warn` (so a warning points at the user's line, whatever wraps the report)."""
-  frame, level = inspect.currentframe(), 0
-  while frame is not None and frame.f_globals.get('__name__', '').split('.')[0] == (
-      'skewadam_jax'):
-    frame, level = frame.f_back, level + 1
-  return max(level - 1, 1)
+def check_transform_first(tx: Any, params: Any, call: str) -> None:
+  """Raises a TypeError naming `tx` unless it looks like an optax GradientTransformation.
 
-
-def transform_first(tx: Any, params: Any, call: str) -> tuple[Any, Any]:
-  """`(tx, params)`, raising unless `tx` looks like an optax GradientTransformation.
-
-  The reports took the params first before they took the optimizer first, as optax
-  does; that order still works, swapped back with a DeprecationWarning at the user's
-  line, in every report alike (the deprecation promised it).
+  Every report takes the optimizer first, as optax does; where the optimizer came as
+  `params` instead, the message says the two are swapped.
 
   Args:
     tx: the argument that must be the optimizer.
-    params: the call's params argument; if it is the optimizer (and `tx` is not), the
-      arguments were given in the old order.
+    params: the call's params argument (only read to tell a swap apart).
     call: the call with its argument names in order, e.g. 'sj.memory_report(tx, params)'.
-
-  Returns:
-    The optimizer and the params, in that order.
   """
-  if not is_transform(tx) and is_transform(params):
-    old = call.replace('(tx, params', '(params, tx', 1)
-    warnings.warn(f'{old} is deprecated: call {call} (every report takes the optimizer '
-                  'first, as optax does).', DeprecationWarning,
-                  stacklevel=_stacklevel_outside_library() + 1)
-    return params, tx
+  if is_transform(tx):
+    return
+  if is_transform(params):
+    raise TypeError(f'`tx` must be the optimizer, got {type(tx).__name__}, and `params` '
+                    f'got the optimizer: the arguments are swapped. Call {call}, the '
+                    'optimizer first, as optax does.')
   check_transform(tx)
-  return tx, params
 
 
 def check_transform(tx: Any) -> None:

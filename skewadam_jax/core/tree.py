@@ -1,6 +1,6 @@
 """Small pytree helpers: what a leaf is (an array, a number, a function) and its shape.
 
-Paths live in `_paths`, Flax boxes in `_flax`."""
+Paths live in `structure.paths`, Flax boxes in `structure.boxes`."""
 
 from __future__ import annotations
 

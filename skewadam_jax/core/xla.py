@@ -125,9 +125,8 @@ def cpu_materialize(x: jax.Array, key: jax.Array) -> jax.Array:
   recomputed, with the unpacking of its codes, inside the encoding kernel, whose
   generated code it doubled. On the CPU `x` passes through a conditional that XLA cannot
   resolve (`key != key`, false unless `key` is NaN) and no fusion crosses, so every
-  consumer reads the one stored `x`: measured on the example model's step with
-  `MUON_CODED_TIERS`, 3 fewer LLVM modules (the unpacking kernels), 6% less generated
-  code, no more temporaries (benchmarks/compile_time.py counts them).
+  consumer reads the one stored `x`: fewer kernels and less generated code, no more
+  temporaries (measured: see benchmarks/RESULTS.md).
 
   Args:
     x: any array.
@@ -144,9 +143,8 @@ def opaque_uints(values: Sequence[int], key: jax.Array) -> tuple[jax.Array, ...]
 
   XLA compiles one kernel per distinct fused computation, and a constant inside a
   kernel (a leaf's offset into a shared buffer, a hash of its path) makes the kernel of
-  every leaf distinct, though they differ in nothing else: measured on XLA:CPU, 40
-  same-shaped leaves read at 40 constant offsets compiled to 48 kernels (1.5 s), at 40
-  runtime offsets to 10 (0.3 s). Here the values come out of a conditional whose
+  every leaf distinct, though they differ in nothing else (measured: see
+  benchmarks/RESULTS.md). Here the values come out of a conditional whose
   predicate, `key != key`, is false for every `key` that is not NaN, but which XLA
   cannot decide while compiling; the other branch (the values reversed, never taken)
   keeps XLA from merging the two. Should a compiler fold the predicate anyway, it folds
@@ -174,14 +172,12 @@ def sqrt(x: jax.Array) -> jax.Array:
 
   XLA leaves `power` with a constant exponent as it is, while `sqrt` and `rsqrt` (which
   `a / sqrt(b)` becomes) make every kernel that holds them two to five times costlier to
-  compile: on XLA:CPU (`benchmarks/compile_time.py --kernel-cost`, 80 distinct kernels)
-  a kernel with `rsqrt` costs 107 ms of compile CPU, one with `sqrt` 47 ms, one with
-  `power` 21 ms, the same as a plain multiply-add (22 ms). An optimizer's statistics
+  compile, where `power` costs what a plain multiply-add does (`benchmarks/compile_time.py
+  --kernel-cost`; the figures: see benchmarks/RESULTS.md). An optimizer's statistics
   vectors, per-matrix norms and small leaves (norm scales, routers) are many distinct
-  kernels of little work. The values: on the CPU `x ** -0.5` was within 0.51 ulp of
-  float64 on 10^6 samples over 2^-100 to 2^100, `rsqrt` within 1.75 (tests/test_xla.py
-  holds 2 ulp). At run time `pow` is 1.5x slower per element than `rsqrt` on the CPU, so
-  large operands keep `sqrt`.
+  kernels of little work. `tests/test_xla.py` holds the powers within 2 ulp of float64.
+  At run time `pow` is slower per element than `rsqrt` on the CPU, so large operands
+  keep `sqrt`.
   """
   return x ** 0.5 if _small(x) else jax.numpy.sqrt(x)
 

@@ -292,5 +292,3 @@ def shards(entry: Any, mesh: Optional[Mesh]) -> int:
   names = entry if isinstance(entry, tuple) else (entry,)
   return int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
 
-
-# ------------------------------------------------------------------------------ the codec

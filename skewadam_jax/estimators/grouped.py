@@ -14,7 +14,7 @@ group value `s` times and crops. Pooling and the moving average are both linear,
 `nu` equals `groupmean_s` of Adam's `v` exactly, and `s = 1` is Adam.
 
 One implementation serves both users: `Grouped` is the estimator of a `'grouped'`
-SkewAdam tier, and AdamPM's `scale_by_grouped_second_moment` (in `_adampm`) is
+SkewAdam tier, and AdamPM's `scale_by_grouped_second_moment` (in `transforms.adampm`) is
 momentum plus the same estimator. The pooling itself (`groupmean`,
 `expand_groups`) and its sharding checks are in `pooling`.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any, Mapping, Optional
 
 import jax
@@ -105,22 +104,15 @@ class Grouped(_second_moment.SecondMoment):
       their only axis, and 0-d leaves get the exact estimator.
     axis_arg: the argument name that `group_axis` came from, for error messages.
     batch_axes: the leaf's batch axes; `for_leaf` sets them per leaf.
-    axis: deprecated spelling of `group_axis` (an init argument only).
   """
 
   group_size: int = 8
   group_axis: int = -1
   axis_arg: str = dataclasses.field(default='group_axis', compare=False)
   batch_axes: Optional[tuple[int, ...]] = None  # per leaf (`for_leaf`); None: default
-  axis: dataclasses.InitVar[Any] = _pooling.UNSET
   name = 'grouped'
 
-  def __post_init__(self, axis: Any):
-    if axis is not _pooling.UNSET:
-      warnings.warn('`Grouped(axis=...)` is deprecated: use `group_axis=`, as `Tier` does.',
-                    DeprecationWarning, stacklevel=3)
-      object.__setattr__(self, 'group_axis', axis)
-      object.__setattr__(self, 'axis_arg', 'axis')
+  def __post_init__(self):
     _checks.check_positive_int('group_size', self.group_size)
     _checks.check_axis(self.group_axis, self.axis_arg)
 

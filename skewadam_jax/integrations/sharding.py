@@ -14,9 +14,9 @@ shardings must be given, and a state leaf does not always have its parameter's r
 
 Each statistic's spec comes from the estimator that made it (`SecondMoment.specs`,
 a spec or a pytree of specs): while `state_shardings` traces the optimizer's `init`
-(`_trace.trace_init`), every estimator records which state leaves are its statistics,
+(`reports.trace.trace_init`), every estimator records which state leaves are its statistics,
 of which parameter. State of other optax transforms (AdamW's `mu`/`nu`, Adafactor's
-factors) is matched to its parameter by the state walk (`_walk`), its spec by shape.
+factors) is matched to its parameter by the state walk (`reports.walk`), its spec by shape.
 
 `optax.tree_utils.tree_map_params` hands every params-shaped subtree the parameter's
 full-rank spec, which is wrong for the reduced statistics (and it cannot even run our
@@ -226,8 +226,7 @@ def state_shardings(
     >>> shardings[0].v_row['experts']['w1']
     P('expert', None)
   """
-  tx, params = _checks.transform_first(
-      tx, params, 'sj.state_shardings(tx, params, param_shardings)')
+  _checks.check_transform_first(tx, params, 'sj.state_shardings(tx, params, param_shardings)')
   return _shardings_and_state(tx, params, param_shardings, mesh)[0]
 
 
@@ -278,7 +277,7 @@ def sharded_abstract_state(
   Returns:
     A pytree of `jax.ShapeDtypeStruct`s with the structure of `tx.init(params)`.
   """
-  tx, params = _checks.transform_first(
+  _checks.check_transform_first(
       tx, params, 'sj.sharded_abstract_state(tx, params, param_shardings)')
   shardings, abstract = _shardings_and_state(tx, params, param_shardings, mesh)
   if not all(isinstance(s, Sharding) for s in jax.tree.leaves(shardings)):

@@ -1,7 +1,7 @@
 """Memory accounting from abstract shapes: nothing is allocated.
 
 Every report reads the optimizer that was built, from one abstract trace of its
-`init` (`_trace.trace_init`): `memory_report` attributes every state leaf that follows
+`init` (`reports.trace.trace_init`): `memory_report` attributes every state leaf that follows
 the params to its parameter's tier, and `label_table` shows what a `skewadam` gives
 each parameter and what its state costs.
 
@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import warnings
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from skewadam_jax.transforms import alias as _alias
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import warning as _warning
-from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.reports import trace as _trace
 from skewadam_jax.core import tree as _tree
 
@@ -99,7 +96,7 @@ def optimizer_state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
 
   Every array leaf counts, whatever its dtype (`state_bytes`).
   """
-  tx, params = _checks.transform_first(tx, params, 'sj.optimizer_state_bytes(tx, params)')
+  _checks.check_transform_first(tx, params, 'sj.optimizer_state_bytes(tx, params)')
   return state_bytes(abstract_state(tx, params))
 
 
@@ -140,10 +137,6 @@ class MemoryReport:
     return '\n'.join(lines)
 
 
-def _deprecated(old: str, new: str) -> None:
-  warnings.warn(f'{old} is deprecated: call {new}.', DeprecationWarning, stacklevel=3)
-
-
 @_warning.reported_once  # labels for the rows and the skewadam's: one warning
 def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryReport:
   """Per-tier parameter and optimizer-state bytes of `tx` on `params` (eval_shape only).
@@ -164,8 +157,8 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
     A `MemoryReport`; `.format()` renders it as a markdown table.
 
   Raises:
-    TypeError: if `tx` is not an optimizer. The old order, `(params, tx)`, still works
-      with a DeprecationWarning, as in every report.
+    TypeError: if `tx` is not an optimizer (it says so where `tx` and `params` are
+      swapped).
 
   Example:
     >>> import jax, jax.numpy as jnp, skewadam_jax as sj
@@ -173,7 +166,7 @@ def memory_report(tx: Any, params: Any, *, param_labels: Any = None) -> MemoryRe
     >>> sj.memory_report(sj.skewadam(3e-4), params).total_state_bytes  # mu, rows, cols
     2336
   """
-  tx, params = _checks.transform_first(tx, params, 'sj.memory_report(tx, params)')
+  _checks.check_transform_first(tx, params, 'sj.memory_report(tx, params)')
   trace = _trace.trace_init(tx, params)
   labels = jax.tree_util.tree_structure(params).flatten_up_to(
       _labels.resolve_labels(params, param_labels))
@@ -248,9 +241,7 @@ class LabelTable(collections.abc.Sequence):
 
 
 @_warning.reported_once
-def label_table(tx: Any, params: Any = None, *old_args: Any,
-                tiers: Optional[Mapping[str, _tier.Tier]] = None, param_labels: Any = None,
-                batch_axes: Any = None) -> LabelTable:
+def label_table(tx: Any, params: Any) -> LabelTable:
   """Every leaf with its path, shape, tier, batch axes, estimator, state bytes and a note,
   as the `skewadam` in `tx` gives them.
 
@@ -264,10 +255,6 @@ def label_table(tx: Any, params: Any = None, *old_args: Any,
   state leaf of `tx` that belongs to it. Leaves a `masked` skewadam does not update have
   tier `-`.
 
-  The old form `label_table(params, tiers=None, param_labels=None, batch_axes=None)`
-  still works, by position or keyword, with a DeprecationWarning; it reads
-  `sj.skewadam(lr, tiers=tiers, param_labels=param_labels, batch_axes=batch_axes)`.
-
   Args:
     tx: the optimizer; it must contain an `sj.skewadam`.
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s (Flax states too).
@@ -277,6 +264,8 @@ def label_table(tx: Any, params: Any = None, *old_args: Any,
     `.format()` renders it.
 
   Raises:
+    TypeError: if `tx` is not an optimizer (it says so where `tx` and `params` are
+      swapped); the tiers, labels and batch axes are `sj.skewadam`'s arguments.
     ValueError: if `tx` contains no `skewadam`.
 
   Example:
@@ -287,22 +276,7 @@ def label_table(tx: Any, params: Any = None, *old_args: Any,
     >>> [(r.path, r.tier, r.second_moment, r.state_bytes) for r in table]
     [('moe/experts/w1', 'experts', 'factored', 384), ('moe/router', 'router', 'exact', 128)]
   """
-  if _checks.is_transform(tx):
-    if old_args or (tiers, param_labels, batch_axes) != (None, None, None):
-      raise TypeError('`sj.label_table(tx, params)` reads the tiers, labels and batch axes '
-                      'from `tx`: pass `tiers`, `param_labels` and `batch_axes` to '
-                      '`sj.skewadam`.')
-  elif _checks.is_transform(params):
-    tx, params = _checks.transform_first(tx, params, 'sj.label_table(tx, params)')
-  else:
-    _deprecated('sj.label_table(params, tiers=..., param_labels=..., batch_axes=...)',
-                'sj.label_table(sj.skewadam(lr, tiers=..., param_labels=..., '
-                'batch_axes=...), params)')
-    tiers, param_labels, batch_axes = _old_arguments(
-        (params, *old_args), {'tiers': tiers, 'param_labels': param_labels,
-                              'batch_axes': batch_axes})
-    tx, params = _alias.skewadam(1.0, tiers=tiers, param_labels=param_labels,
-                                 batch_axes=batch_axes), tx
+  _checks.check_transform_first(tx, params, 'sj.label_table(tx, params)')
   trace = _trace.trace_init(tx, params, tiers=True)
   if not trace.tiers and not trace.has_skewadam:
     raise ValueError('`tx` contains no sj.skewadam: `sj.label_table(tx, params)` shows '
@@ -324,25 +298,3 @@ def label_table(tx: Any, params: Any = None, *old_args: Any,
         note=got.note if got else 'not updated by the skewadam in `tx`',
         batch_axes=got.batch_axes if got else ()))
   return LabelTable(tuple(rows))
-
-
-def _old_arguments(positional: tuple[Any, ...], named: dict[str, Any]) -> list[Any]:
-  """`tiers`, `param_labels`, `batch_axes` of the old `label_table(params, ...)`, given by
-  position after the params (here `params` and `old_args`) or by keyword."""
-  if len(positional) > len(named):
-    raise TypeError(f'`sj.label_table(params, tiers, param_labels, batch_axes)` takes at most '
-                    f'{len(named)} arguments after the params, got {len(positional)}.')
-  out = []
-  for (name, by_keyword), by_position in zip(
-      named.items(), positional + (None,) * (len(named) - len(positional))):
-    if by_keyword is not None and by_position is not None:
-      raise TypeError(f'`sj.label_table` got `{name}` twice (by position and by keyword); '
-                      'call `sj.label_table(tx, params)`.')
-    out.append(by_position if by_keyword is None else by_keyword)
-  return out
-
-
-def format_label_table(rows: Any) -> str:
-  """`label_table` rows as an aligned text table; deprecated: `label_table(...).format()`."""
-  _deprecated('sj.format_label_table(rows)', 'sj.label_table(tx, params).format()')
-  return LabelTable(tuple(rows)).format()

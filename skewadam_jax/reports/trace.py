@@ -8,12 +8,12 @@ optimizer (`optax.chain`, `inject_hyperparams`, `MultiSteps`, `apply_if_finite`,
 
 * from every second-moment estimator, which state leaves are the momentum or the
   statistics of which parameter, and how to derive their shardings
-  (`_second_moment.record_leaf`);
+  (`estimators.base.record_leaf`);
 * from every `skewadam`, what it gives each parameter: its tier, its estimator, its
   batch axes and the labeler's note (`transforms.recording.record_tiers`).
 
 Both recorders do nothing outside a trace. Leaves no estimator recorded (other optax
-transforms' state) are matched to their parameter by the state walk (`_walk`).
+transforms' state) are matched to their parameter by the state walk (`reports.walk`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ it). So `optax.partition`'s per-tier states (with `MaskedNode` in the other tier
 slots) and one state whose fields hold `None` in absent slots are walked alike.
 
 Flax boxes are part of a treedef, and a reduced statistic's box names other axes than
-its parameter's: callers pass unboxed trees (`_flax.unbox`).
+its parameter's: callers pass unboxed trees (`structure.boxes.unbox`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ then per slice, and a leaf whose other axes form a vector gets the exact estimat
 1. the user's rules `(pattern, axes)` (whole-segment globs, first match wins);
 2. logical axis names, only with `use_axis_names=True`: axes named like a layer stack
    (`layers`, `dense_layers`, `local_layers`, `stage`, ...) or experts (`exp`, ...);
-3. structure, from paths and shapes (`_stacks`):
+3. structure, from paths and shapes (`structure.stacks`):
    * scanned layers: under a module called `layers`, `*_layers`, `scanned_blocks`, ...
      (not followed by a numbered sub-module, as unrolled `layers/0` are), the one
      axis position that has the same length in every leaf is the layer axis (nested

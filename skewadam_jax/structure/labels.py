@@ -204,7 +204,7 @@ class LeafReport:
 
 def broadcast_labels(params: Any, labels: Any) -> Any:
   """`labels` (the params' structure, a prefix of it, the same paths, or a function of
-  the params returning one) on every leaf, matched as `_paths.per_leaf` matches.
+  the params returning one) on every leaf, matched as `structure.paths.per_leaf` matches.
 
   Matching by structure first, then by normalised path: a label tree computed once from
   an `nnx.State` (whose leaves are variables) also labels the pure arrays of `update`.

@@ -1,7 +1,7 @@
 """Paths of a parameter tree, and every per-leaf decision made from them.
 
-One engine serves the labeler (`_labels`), the batch axes (`_axes`), the hidden-matrix
-split (`_hidden`) and the transforms (`_tiered`):
+One engine serves the labeler (`structure.labels`), the batch axes (`structure.axes`), the
+hidden-matrix split (`structure.hidden`) and the transforms (`transforms.tiers`):
 
 * paths: a leaf's key path as normalised segments (keys stringified, a trailing
   `value` dropped, so that Flax boxes at `init` and the pure arrays of `update` agree)
@@ -228,7 +228,7 @@ def leaves_of(tree: Any, names: Optional[Mapping[Segments, tuple[Any, ...]]] = N
   Args:
     tree: a pytree of arrays, tracers, `jax.ShapeDtypeStruct`s, Flax boxes, numbers or
       static fields.
-    names: axis names by normalised path segments (`_flax.axis_names_by_path`).
+    names: axis names by normalised path segments (`structure.boxes.axis_names_by_path`).
   """
   names = names or {}
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)

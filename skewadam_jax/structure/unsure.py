@@ -25,7 +25,7 @@ def _rule_hint(path: str, tier: str) -> str:
 
 def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]:
   """Numbered units of identical shapes beside a router candidate [d, n] that nothing
-  decided (`_stacks.numbered_units`), one line per router: an expert bank kept as
+  decided (`structure.stacks.numbered_units`), one line per router: an expert bank kept as
   separate leaves and its router, or unrolled dense layers beside an unrelated kernel.
   Shapes cannot tell these apart, so the leaves keep the default tier and are reported
   (with the rules that settle it either way); sets each reported leaf's `note`."""

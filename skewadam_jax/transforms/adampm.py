@@ -1,7 +1,7 @@
 """AdamPM's scaling rule: Adam with a second moment pooled over groups of neighbours.
 
 `scale_by_grouped_second_moment` is momentum plus the `Grouped` estimator (see
-`_grouped`, which also serves SkewAdam's `'grouped'` tiers), with Adam's
+`estimators.grouped`, which also serves SkewAdam's `'grouped'` tiers), with Adam's
 `(m / bc1) / (sqrt(nu_hat + eps_root) + eps)`; `sj.adampm` adds decoupled weight
 decay and the learning rate, as `optax.adamw`.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
@@ -21,22 +20,6 @@ from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.transforms import tiers as _tiered
 from skewadam_jax.transforms import recording as _recording
 from skewadam_jax.core import tree as _tree
-
-
-@functools.lru_cache(maxsize=1)
-def _optax_decays_by_schedule() -> bool:
-  """Whether `optax.add_decayed_weights` takes a schedule (optax >= 0.2.8 keeps a count)."""
-  state = optax.add_decayed_weights(lambda count: 0.0).init({})
-  return 'count' in getattr(state, '_fields', ())  # a NamedTuple field, not tuple.count
-
-
-def _add_decayed_weights(weight_decay: Any, mask: Any) -> optax.GradientTransformation:
-  """`optax.add_decayed_weights`, with a schedule also on optax < 0.2.8 (which would
-  multiply the parameters by the function): injected as a hyperparameter there."""
-  if callable(weight_decay) and not _optax_decays_by_schedule():
-    return optax.inject_hyperparams(optax.add_decayed_weights, static_args=('mask',))(
-        weight_decay=weight_decay, mask=mask)
-  return optax.add_decayed_weights(weight_decay, mask)
 
 
 def _chain(where: str, *transforms: optax.GradientTransformation
@@ -190,7 +173,7 @@ def skewadam(
   chain = _chain(
       'sj.skewadam',
       optax.GradientTransformation(init_fn, update_fn),
-      _add_decayed_weights(weight_decay, decay_mask),
+      optax.add_decayed_weights(weight_decay, decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
   # The tiers and the decay mask label the same tree: one warning per call if unsure.
@@ -198,25 +181,6 @@ def skewadam(
                         update=_warning.reported_once(chain.update))
 
 
-def _keyword_only_after_eps(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """`fn` (`adampm`) saying clearly why a fifth positional argument is refused, instead
-  of Python's bare count: it meant `weight_decay` before the arguments after `eps`
-  became keyword-only, in `optax.adamw`'s order."""
-
-  @functools.wraps(fn)
-  def call(*args: Any, **kwargs: Any) -> Any:
-    if len(args) > 4:
-      raise TypeError(
-          f'{fn.__name__}() takes at most 4 positional arguments ({len(args)} given): '
-          'the arguments after `eps` are keyword-only, in the order of optax.adamw '
-          '(eps_root, mu_dtype, weight_decay, mask), since a fifth positional argument '
-          'meant `weight_decay` before; write e.g. sj.adampm(1e-3, weight_decay=0.1).')
-    return fn(*args, **kwargs)
-
-  return call
-
-
-@_keyword_only_after_eps
 def adampm(
     learning_rate: optax.ScalarOrSchedule,
     b1: jax.typing.ArrayLike = 0.9,
@@ -280,6 +244,6 @@ def adampm(
       'sj.adampm',
       _adampm.grouped_adam(b1, b2, eps, eps_root, mu_dtype, group_size, group_axis,
                            nu_dtype, axis_arg),
-      _add_decayed_weights(weight_decay, mask),
+      optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -14,7 +14,7 @@ Their rules differ; what is around the rules is the same, and lives here:
   so the state has exactly one entry per array kept. `optax.MaskedNode`s of
   `optax.partition`'s other groups stay where they are;
 * each Flax box of a statistic renamed to the axes the statistic keeps
-  (`_flax.rename_boxes`), from the specs its estimator gives;
+  (`structure.boxes.rename_boxes`), from the specs its estimator gives;
 * a field read back per leaf at `update` (also when only box metadata differs, or the
   state was unboxed by `nnx.Optimizer`);
 * the step count and Adam's bias corrections `1 - b^t`.

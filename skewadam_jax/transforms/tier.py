@@ -10,9 +10,7 @@ them is `tiers.scale_by_tiers`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import warnings
 from typing import Any, Optional, Union
 
 import jax.numpy as jnp
@@ -28,44 +26,6 @@ from skewadam_jax.estimators import codec as _codec
 SECOND_MOMENTS = ('exact', 'factored', 'grouped', 'orthogonal')
 EPS_MODES = ('floor', 'adam')
 
-_OLD_WEIGHT_DECAY = ('`Tier.weight_decay` is renamed `apply_weight_decay` (`skewadam`\'s '
-                     '`weight_decay` is the rate); the old name will be removed in a later '
-                     'release.')
-
-
-def _old_weight_decay(changes: dict[str, Any], stacklevel: int,
-                      positional: bool = False) -> dict[str, Any]:
-  """`changes` with the deprecated `weight_decay` keyword (if any) as `apply_weight_decay`
-  (`positional`: `apply_weight_decay` is also given positionally)."""
-  if 'weight_decay' not in changes:
-    return changes
-  changes = dict(changes)
-  value = changes.pop('weight_decay')
-  if positional or 'apply_weight_decay' in changes:
-    raise TypeError('Pass `apply_weight_decay` only: `weight_decay` is its deprecated name, '
-                    'and both were given.')
-  warnings.warn(_OLD_WEIGHT_DECAY, DeprecationWarning, stacklevel=stacklevel + 1)
-  if not isinstance(value, bool):
-    raise TypeError(f'`weight_decay` (now `apply_weight_decay`) must be a bool, got {value!r}.')
-  changes['apply_weight_decay'] = value
-  return changes
-
-
-def _accepts_old_weight_decay(cls: type) -> type:
-  """Lets the dataclass `__init__` take the deprecated `weight_decay` keyword."""
-  init = cls.__init__
-  position = [f.name for f in dataclasses.fields(cls) if f.init].index('apply_weight_decay')
-
-  @functools.wraps(init)
-  def __init__(self, *args: Any, **kwargs: Any) -> None:
-    init(self, *args, **_old_weight_decay(kwargs, stacklevel=2,
-                                          positional=len(args) > position))
-
-  cls.__init__ = __init__
-  return cls
-
-
-@_accepts_old_weight_decay
 @dataclasses.dataclass(frozen=True)
 class Tier:
   """Static configuration of one tier of `scale_by_tiered_adam`.
@@ -86,8 +46,7 @@ class Tier:
     eps_mode: `'floor'` (as published: `eps` floors the uncorrected second moment
       inside the square root) or `'adam'` (`u = m_hat / (sqrt(v_hat) + eps)`).
     apply_weight_decay: whether decoupled weight decay (`skewadam`'s `weight_decay`
-      rate) applies to this tier. Formerly `weight_decay`, which still works (as a
-      keyword, in `replace` and as an attribute) with a `DeprecationWarning`.
+      rate) applies to this tier.
     nesterov: with momentum, the numerator is optax's Nesterov form (as in
       `optax.adam(nesterov=True)` and `optax.contrib.muon`) instead of `m / bc1`:
       `x = b1 m / (1 - b1^(t+1)) + (1 - b1) g / bc1`.
@@ -106,19 +65,11 @@ class Tier:
 
   Memory: every estimator keeps the step free of full-size temporaries, in any layout
   of batch axes, except a `'grouped'` tier with a clip whose groups do not divide the
-  pooled axis, where the clip recomputes the update through a gather. XLA temporaries
-  of `jit(update + apply)` measured on XLA:CPU for a float32 [256, 4, 256] leaf
-  (1,048,576 B): in groups of 3 along the last axis, 1,403,908 B (1.34x the leaf) with
-  momentum, 1,056,768 B (1.01x) without. Dividing groups cost nothing of the leaf's
-  size, along a matrix axis or a batch axis: 131,140 B with `batch_axes=(1,)` in groups
-  of 8 along the last axis, 132,100 B in groups of 8 along the first axis of the default
-  layout, 524,356 B (the size of the pooled statistic) in groups of 2 along the batch
-  axis of `batch_axes=(1,)`; nor does any case without the clip. Pool in dividing
-  groups, or drop the clip, where memory is tight. On XLA:CPU only (the barrier that
-  keeps the clip's two passes apart is left out on GPUs), a `nesterov` tier with a clip
-  also materialises its numerator `x`: 1,060,996 B (1.01x) factored, 1,048,708 B (1.00x)
-  exact, on the same leaf with `batch_axes=(1,)` (8,388 B and 132 B without the clip;
-  `MUON_TIERS`' Nesterov tier has none).
+  pooled axis, where the clip recomputes the update through a gather (temporaries of
+  about the leaf's size or more). Pool in dividing groups, or drop the clip, where memory is
+  tight. On XLA:CPU only (the barrier that keeps the clip's two passes apart is left out
+  on GPUs), a `nesterov` tier with a clip also materialises its numerator `x`
+  (`MUON_TIERS`' Nesterov tier has none). The figures: see benchmarks/RESULTS.md.
   """
   momentum: bool = True
   mu_dtype: Any = jnp.float32
@@ -185,7 +136,6 @@ class Tier:
 
   def replace(self, **changes: Any) -> Tier:
     """A copy of this tier with some options changed."""
-    changes = _old_weight_decay(changes, stacklevel=2)
     fields = {f.name for f in dataclasses.fields(self)}
     unknown = sorted(set(changes) - fields)
     if unknown:
@@ -193,12 +143,6 @@ class Tier:
       raise TypeError(f'Unknown Tier option(s) {unknown}{hint}; the options are '
                       f'{sorted(fields)}.')
     return dataclasses.replace(self, **changes) if changes else self
-
-  @property
-  def weight_decay(self) -> bool:
-    """Deprecated name of `apply_weight_decay`."""
-    warnings.warn(_OLD_WEIGHT_DECAY, DeprecationWarning, stacklevel=2)
-    return self.apply_weight_decay
 
   @property
   def estimator(self) -> _second_moment.SecondMoment:

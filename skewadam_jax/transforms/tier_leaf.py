@@ -7,7 +7,6 @@ leaf gets without building state.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
@@ -32,26 +31,12 @@ from skewadam_jax.transforms.tier import Tier
 FIELDS = ('mu',) + _second_moment.STAT_FIELDS  # the per-parameter fields of the state
 
 
-def _for_leaf(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
-              batch_axes: Optional[tuple[int, ...]]) -> _second_moment.SecondMoment:
-  """`estimator.for_leaf`, also for user estimators written as `for_leaf(self, shape)`."""
-  try:
-    params = inspect.signature(estimator.for_leaf).parameters
-  except (TypeError, ValueError):
-    params = {}
-  takes_axes = 'batch_axes' in params or len(params) >= 2 or any(
-      p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values())
-  if takes_axes:
-    return estimator.for_leaf(shape, batch_axes)
-  return estimator.for_leaf(shape)
-
-
 def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
                    path: str = 'leaf') -> _second_moment.SecondMoment:
   """The second-moment estimator a leaf of `shape` with `batch_axes` gets under `tier`."""
   shape = tuple(shape)
   axes = _second_moment.normalise_batch_axes(batch_axes, shape, path)
-  return _for_leaf(tier.estimator, shape, axes)
+  return tier.estimator.for_leaf(shape, axes)
 
 
 def leaf_codec(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,

@@ -66,11 +66,12 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
 
   Returns:
     A `Structure`: `.labels` and `.batch_axes` (trees like `params`) for
-    `sj.skewadam(lr, param_labels=..., batch_axes=...)`, `sj.label_table` and
-    `sj.memory_report`; `.format()` shows every leaf with its evidence, `.roles` what
-    each leaf does (hidden matrix, embedding, output layer, ...), `.labels_for(tiers)`
-    the labels for a policy with a `'hidden'` tier, and `.undecided` the leaves the
-    analysis could not decide (labelled backbone, with a `TraceWarning`).
+    `sj.skewadam(lr, param_labels=..., batch_axes=...)` and `sj.memory_report`
+    (`sj.label_table(tx, params)` then shows what that skewadam gives); `.format()`
+    shows every leaf with its evidence, `.roles` what each leaf does (hidden matrix,
+    embedding, output layer, ...), `.labels_for(tiers)` the labels for a policy with a
+    `'hidden'` tier, and `.undecided` the leaves the analysis could not decide (labelled
+    backbone, with a `TraceWarning`).
 
   Raises:
     TypeError: if `fn` is not callable or `params` has no array leaf.

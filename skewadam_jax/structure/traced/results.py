@@ -52,9 +52,10 @@ class Structure:
   Attributes:
     labels: a pytree like the params of tier names (`'backbone'`, `'experts'`,
       `'router'`; None at leaves that are not arrays), for `sj.skewadam(...,
-      param_labels=...)`, `sj.label_table` and `sj.memory_report`.
+      param_labels=...)` and `sj.memory_report(..., param_labels=...)`;
+      `sj.label_table(tx, params)` shows what the skewadam built from them gives.
     batch_axes: a pytree like the params of sorted int tuples, for `sj.skewadam(...,
-      batch_axes=...)` and `sj.label_table`.
+      batch_axes=...)` (a `Structure` passed as `param_labels` brings them itself).
     leaves: one `LeafStructure` per array leaf, in flattening order.
     decisions: the routing decisions that dispatch tokens to an expert bank.
     undecided: path -> reason, for leaves the analysis could not decide (they are

@@ -160,21 +160,28 @@ def _warn(analysis: _analysis.Analysis, paths: list[str], undecided: dict[str, s
   if rest:
     shown = '; '.join(f'{path}: {why}' for path, why in list(rest.items())[:8])
     more = f'; and {len(rest) - 8} more' if len(rest) > 8 else ''
-    warnings.warn(f'sj.trace_structure: {len(rest)} leaves are undecided (labelled '
-                  f'backbone, see `.undecided`): {shown}{more}', TraceWarning, stacklevel=3)
+    warnings.warn(f'sj.trace_structure: {len(rest)} leaves are undecided (see '
+                  f'`.undecided`): {shown}{more}. {_SAFE}', TraceWarning, stacklevel=3)
   for (prim, line), leaves in analysis.unknown.items():
     if leaves:
       warnings.warn(
           f'sj.trace_structure: no rule reads the primitive `{prim}` (at {line}); the '
-          f'{len(leaves)} leaves whose flow crosses it are undecided (labelled backbone) '
-          f'unless other evidence decides them: {_names(paths, leaves)}', TraceWarning,
-          stacklevel=3)
+          f'{len(leaves)} leaves whose flow crosses it are undecided unless other evidence '
+          f'decides them: {_names(paths, leaves)}. {_SAFE}', TraceWarning, stacklevel=3)
   for (prim, line), leaves in analysis.blind.items():
     warnings.warn(
         f'sj.trace_structure: `{prim}` (at {line}) selects among values computed from '
         f'parameters but makes no routing decision (no expert axis can be told); the '
-        f'leaves it depends on are undecided (labelled backbone) unless other evidence '
-        f'decides them: {_names(paths, leaves)}', TraceWarning, stacklevel=3)
+        f'leaves it depends on are undecided unless other evidence decides them: '
+        f'{_names(paths, leaves)}. {_SAFE}', TraceWarning, stacklevel=3)
+
+
+# What every undecided leaf gets, and how to settle one, in each warning.
+_SAFE = ('Passed as sj.skewadam(learning_rate, tiers=<your tiers>, param_labels=trace), '
+         "the trace gives every undecided leaf the tier 'undecided', the safe rule: "
+         f'{_warning.SAFE_RULE}; to settle one, read its structure from '
+         "`trace.format()` and pass your own labels, e.g. "
+         "sj.make_labeler([('<path>', '<tier>')])")
 
 
 def _names(paths: list[str], leaves: set[int], most: int = 8) -> str:

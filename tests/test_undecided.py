@@ -325,3 +325,60 @@ def test_an_nnx_state_with_a_loss_of_the_model_names_both_forms():
   nnx, model = _nnx_model()
   with pytest.raises(TypeError, match=r'sj\.trace_structure\(loss_fn, model, batch\)'):
     sj.trace_structure(_nnx_loss, nnx.state(model, nnx.Param), jnp.zeros((4,), jnp.int32))
+
+
+# ---------------------------------------------------------------------------- index dispatch
+
+_E, _CAP, _K = 4, 6, 2
+
+
+def _index_layer(h, p):
+  """Tokens dispatched by computed indices: scattered into [E, capacity, d] at
+  `expert * capacity + position`, each expert with a bias [E, f] and [E, d], gathered
+  back and scattered onto the tokens."""
+  t, d = h.shape
+  w, ids = jax.lax.top_k(jax.nn.softmax(h @ p['router']), _K)
+  flat = ids.reshape(-1)
+  onehot = jax.nn.one_hot(flat, _E, dtype=jnp.int32)
+  pos = jnp.take_along_axis(jnp.cumsum(onehot, 0) - onehot, flat[:, None], 1)[:, 0]
+  keep = pos < _CAP
+  slot = jnp.where(keep, flat * _CAP + pos, _E * _CAP)
+  tok = jnp.repeat(jnp.arange(t), _K)
+  buf = jnp.zeros((_E * _CAP + 1, d)).at[slot].set(h[tok])[:-1].reshape(_E, _CAP, d)
+  hid = jax.nn.relu(jnp.einsum('ecd,edf->ecf', buf, p['wi']) + p['bi'][:, None, :])
+  out = (jnp.einsum('ecf,efd->ecd', hid, p['wo']) + p['bo'][:, None, :]).reshape(-1, d)
+  out = jnp.concatenate([out, jnp.zeros((1, d))])[slot] * (w.reshape(-1) * keep)[:, None]
+  return h + jnp.zeros((t, d)).at[tok].add(out)
+
+
+@pytest.mark.parametrize('scanned', [False, True])
+def test_per_expert_biases_under_index_dispatch_are_the_banks(scanned):
+  """The biases [E, f] beside kernels [E, d, f] of tokens dispatched by computed indices
+  are experts with the expert axis a batch axis; in a scanned stack ([L, E, f]) with the
+  layer axis too."""
+  d, f, v, n_layers = 8, 12, 11, 3
+  moe = {'router': (d, _E), 'wi': (_E, d, f), 'bi': (_E, f), 'wo': (_E, f, d),
+         'bo': (_E, d)}
+  lead = (n_layers,) if scanned else ()
+  params = {'embed': jax.ShapeDtypeStruct((v, d), jnp.float32),
+            'head': jax.ShapeDtypeStruct((d, v), jnp.float32),
+            'moe': {k: jax.ShapeDtypeStruct(lead + s, jnp.float32) for k, s in moe.items()}}
+
+  def forward(p, toks):
+    h = p['embed'][toks]
+    if scanned:
+      h, _ = jax.lax.scan(lambda c, lp: (_index_layer(c, lp), None), h, p['moe'])
+    else:
+      h = _index_layer(h, p['moe'])
+    return h @ p['head']
+
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', sj.UnsureLabelWarning)
+    trace = sj.trace_structure(forward, params, jax.ShapeDtypeStruct((10,), jnp.int32))
+  got = {x.path: (x.tier, x.batch_axes) for x in trace.leaves}
+  layer = (0,) if scanned else ()
+  expert = tuple(a + len(lead) for a in (0,))
+  want = {'embed': ('backbone', ()), 'head': ('backbone', ()),
+          'moe/router': ('router', layer)}
+  want.update({f'moe/{k}': ('experts', layer + expert) for k in ('wi', 'bi', 'wo', 'bo')})
+  assert got == want, trace.format()

@@ -7,7 +7,6 @@ that spell no pattern of `structure.hidden`) and the conventional names of real 
 
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Any
 
@@ -130,20 +129,20 @@ def test_what_has_no_matrix_to_orthogonalise_is_not_hidden(path, shape, tier):
   assert (got[path], messages) == (tier, [])
 
 
-def test_the_code_the_warning_suggests_gives_the_hidden_matrices():
-  """The fix, run as printed with the user's loss, params and batch, and the policy the
-  line names: the roles decide, with no warning."""
+@pytest.mark.parametrize('preset', ['MUON_TIERS', 'MUON_CODED_TIERS'])
+def test_the_code_the_warning_suggests_gives_the_hidden_matrices(preset):
+  """The fix, run as printed with the user's loss, params and batch, keeps the user's
+  policy (by its public name): the roles decide, with no warning."""
   params = {'a': jnp.ones((32, 8)), 'b': {'c': jnp.ones((8, 8))}, 'z': jnp.ones((8, 32))}
 
   def loss_fn(p, ids):
     return jnp.mean((p['a'][ids] @ p['b']['c'] @ p['z']) ** 2)
 
   with pytest.warns(sj.UnsureLabelWarning) as record:
-    sj.label_table(sj.skewadam(1e-3, tiers=sj.MUON_TIERS), params)
+    sj.label_table(sj.skewadam(1e-3, tiers=getattr(sj, preset)), params)
   message = str(record[0].message)
-  code = '\n'.join(line[4:] for line in message.splitlines() if line.startswith('    '))
-  code += '\ntx = ' + re.search(r'give the trace below with your policy: (sj\.skewadam\(.*?\))$',
-                                message.splitlines()[1])[1]
+  code = '\n'.join(line[4:] for line in message.split('\n\n')[1].splitlines())
+  assert f'tiers=sj.{preset}, param_labels=trace' in code
   namespace = {'sj': sj, 'loss_fn': loss_fn, 'params': params,
                'batch': jnp.zeros((4,), jnp.int32), 'learning_rate': 1e-3}
   with warnings.catch_warnings():

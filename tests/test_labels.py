@@ -671,7 +671,9 @@ def test_the_code_the_unsure_warning_suggests_gives_the_right_labels():
     guessed = _labels_by_path_of(sj.moe_param_labels(params))
   assert set(guessed.values()) == {'backbone'}  # lossless while unsure
   message = str(record[0].message)
-  code = '\n'.join(line[4:] for line in message.splitlines() if line.startswith('    '))
+  # The first block of code is the trace (the second the rules' form).
+  code = message.split('\n\n')[1]
+  code = '\n'.join(line[4:] for line in code.splitlines())
   assert code.startswith('trace = sj.trace_structure(')
   namespace = {'sj': sj, 'loss_fn': case.fn, 'params': params, 'batch': case.args[0],
                'learning_rate': 1e-3}

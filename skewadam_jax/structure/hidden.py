@@ -174,9 +174,10 @@ def _unsure_line(leaves: list[_paths.Leaf]) -> str:
           'marks as an embedding, an output head or a part of an attention or MLP '
           'block: a hidden matrix, or an embedding or output layer that Muon must not '
           "orthogonalise, which names and shapes cannot tell apart; labelled 'backbone' "
-          '(the Adam-like rule, safe for either), not hidden; to orthogonalise the '
-          'hidden ones, give the trace below with your policy: '
-          'sj.skewadam(learning_rate, tiers=sj.MUON_TIERS, param_labels=trace)')
+          "(the Adam-like rule, safe for either), not hidden; if one is a hidden matrix, "
+          f"label it: sj.make_labeler([({leaves[0].path!r}, 'hidden')]) (in "
+          'sj.hidden_param_labels, as below), or give the trace below with your policy, '
+          'which reads every one from the computation')
 
 
 def _vocab_size(shapes: list[tuple[int, ...]]) -> Optional[int]:

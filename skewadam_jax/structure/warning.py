@@ -21,22 +21,82 @@ import warnings
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 _F = TypeVar('_F', bound=Callable[..., Any])
+_NO_POLICY = object()  # `reported_once` without a policy: the caller's is kept
 
 # Modules whose frames are never the caller's line: this library, and the frameworks
 # that call into it (optax's chain, jax's tracing, Flax and Equinox wrappers).
 _INTERNAL = frozenset({'skewadam_jax', 'jax', 'jaxlib', 'optax', 'flax', 'equinox', 'chex',
                        'contextlib', 'functools'})
 
-# The fix, as code the user runs with their own loss (or forward) function and a batch.
-FIX = ('The labels of a model are read from what it computes, whatever its leaves and '
-       'containers are called: call sj.trace_structure with your loss (or forward) '
-       'function and an example batch (arrays or jax.ShapeDtypeStruct):\n\n'
-       '    trace = sj.trace_structure(loss_fn, params, batch)\n'
-       '    tx = sj.skewadam(learning_rate, param_labels=trace)\n\n'
-       "(the trace gives the labels, the batch axes and, to a policy with a 'hidden' "
-       'tier such as tiers=sj.MUON_TIERS, the hidden matrices by what each leaf does), '
-       'or settle each leaf with the rule given above, in '
-       "sj.make_labeler([('<pattern>', '<tier>')]) (strict=True makes this an error).")
+# The presets' public names, to print the user's policy as they wrote it.
+_PRESETS = ('PUBLISHED_TIERS', 'ADAM_EPS_TIERS', 'ADAM_ROUTER_TIERS', 'MUON_TIERS',
+            'MUON_CODED_TIERS')
+# What the rule of a line is, for the fix's last paragraph.
+_RULES = ("the rule its line above gives (a ('<pattern>', '<tier>') rule of "
+          'sj.make_labeler, or a batch-axes rule of sj.moe_batch_axes)')
+
+
+def tiers_argument(tiers: Any) -> str:
+  """`tiers=...` as the user's own call has it: a preset by its public name (`tiers=
+  sj.MUON_CODED_TIERS`), `tiers=<your tiers>` for a policy of their own, nothing for the
+  default (None, or `PUBLISHED_TIERS` itself)."""
+  from skewadam_jax.transforms import presets  # noqa: PLC0415  (presets import structure)
+  if tiers is None:
+    return ''
+  for name in _PRESETS:
+    if tiers is getattr(presets, name):
+      return '' if name == 'PUBLISHED_TIERS' else f'tiers=sj.{name}, '
+  for name in _PRESETS:  # a copy of a preset (dict(sj.MUON_TIERS)) is that preset
+    try:
+      if dict(tiers) == dict(getattr(presets, name)):
+        return '' if name == 'PUBLISHED_TIERS' else f'tiers=sj.{name}, '
+    except (TypeError, ValueError):
+      break
+  return 'tiers=<your tiers>, '
+
+
+def fix(policy: Any = None, known: bool = True) -> str:
+  """The fix the warning prints, as code that keeps the user's `policy` (their `tiers`
+  argument; `known=False`: the call that labels is not a `skewadam`'s, whose tiers are
+  then unknown) and names the rule it refers to."""
+  tiers = tiers_argument(policy) if known else ''
+  hidden = known and policy is not None and 'hidden' in policy
+  labeler = "sj.make_labeler([('<pattern>', '<tier>')])"
+  rules = f'lambda p: sj.hidden_param_labels(p, {labeler})' if hidden else labeler
+  unknown = ('' if known else ' (add your own tiers=..., if your optimizer has them: '
+             'the trace serves every policy)')
+  return ('The labels of a model are read from what it computes, whatever its leaves and '
+          'containers are called: call sj.trace_structure with your loss (or forward) '
+          'function, the params (Flax NNX, Equinox: the model itself, with a loss of the '
+          'model) and an example batch (arrays or jax.ShapeDtypeStruct), and pass the trace '
+          f'to your optimizer{unknown}:\n\n'
+          '    trace = sj.trace_structure(loss_fn, params, batch)\n'
+          f'    tx = sj.skewadam(learning_rate, {tiers}param_labels=trace)\n\n'
+          '(the trace gives the labels, the batch axes, the hidden matrices of a policy '
+          "with a 'hidden' tier, and, to the leaves it cannot decide, the safe rule: "
+          f'{SAFE_RULE}), or settle each leaf with {_RULES}:\n\n'
+          f'    tx = sj.skewadam(learning_rate, {tiers}param_labels={rules})\n\n'
+          '(strict=True in sj.make_labeler makes this warning an error).')
+
+
+# The treatment every policy gives the leaves the analysis leaves undecided
+# (`transforms.tier.undecided_tier`), in words.
+SAFE_RULE = ('no orthogonalisation and no statistic shared across any of their axes (an '
+             'exact second moment, an uncoded momentum, no update clip), under every '
+             'policy')
+
+# The `tiers` argument of the `skewadam` whose call is labelling, as a 1-tuple (None:
+# not within one), for the fix.
+_POLICY: contextvars.ContextVar[Optional[tuple[Any]]] = contextvars.ContextVar(
+    'skewadam_jax_policy', default=None)
+# The policies of the `skewadam`s that labelled within the outermost call (`one_warning`).
+_CALL_POLICIES: contextvars.ContextVar[Optional[list[tuple[Any]]]] = contextvars.ContextVar(
+    'skewadam_jax_call_policies', default=None)
+# The lines already warned in this process (under the filters that show a warning once
+# per place: 'default', 'module', 'once'), so that a cause is warned once, not at every
+# `label_table`, `init` and jit trace.
+_WARNED: set[str] = set()
+
 
 # The lines collected within the outermost library call, or None outside one.
 _PENDING: contextvars.ContextVar[Optional[list[str]]] = contextvars.ContextVar(
@@ -55,13 +115,22 @@ def one_warning() -> Iterator[None]:
     yield
     return
   token = _PENDING.set([])
+  policies = _CALL_POLICIES.set([])
   try:
     yield
     lines = _PENDING.get()
+    seen = _CALL_POLICIES.get()
   finally:
     _PENDING.reset(token)
+    _CALL_POLICIES.reset(policies)
   if lines:
-    _warn(lines)
+    # A `skewadam` labelling within an outer call (`label_table(tx, params)`): its tiers.
+    token = _POLICY.set(seen[0]) if seen and _POLICY.get() is None else None
+    try:
+      _warn(lines)
+    finally:
+      if token is not None:
+        _POLICY.reset(token)
 
 
 @contextlib.contextmanager
@@ -74,13 +143,22 @@ def silenced() -> Iterator[None]:
     _PENDING.reset(token)
 
 
-def reported_once(fn: _F) -> _F:
-  """`fn` within `one_warning`: one warning per call, however often it labels."""
+def reported_once(fn: _F, policy: Any = _NO_POLICY) -> _F:
+  """`fn` within `one_warning`: one warning per call, however often it labels; with
+  `policy` (a `skewadam`'s `tiers` argument), its fix keeps those tiers."""
 
   @functools.wraps(fn)
   def call(*args: Any, **kwargs: Any) -> Any:
-    with one_warning():
-      return fn(*args, **kwargs)
+    token = None if policy is _NO_POLICY else _POLICY.set((policy,))
+    seen = _CALL_POLICIES.get()
+    if token is not None and seen is not None:
+      seen.append((policy,))
+    try:
+      with one_warning():
+        return fn(*args, **kwargs)
+    finally:
+      if token is not None:
+        _POLICY.reset(token)
 
   return call  # type: ignore[return-value]
 
@@ -106,13 +184,46 @@ def _body(lines: list[str]) -> str:
   return '\n'.join(f'  - {line}' for line in shown)
 
 
-def _warn(lines: list[str]) -> None:
-  """One `UnsureLabelWarning` listing `lines`, attributed to the caller's line."""
-  message = ('skewadam_jax labels: names and shapes leave these parameters labelled by a '
-             f'guess:\n{_body(lines)}\n{FIX}')
+def _caller() -> Any:
+  """The first frame outside this library and the frameworks it runs under, or None."""
   frame = inspect.currentframe()
   while frame is not None and frame.f_globals.get('__name__', '').split('.')[0] in _INTERNAL:
     frame = frame.f_back
+  return frame
+
+
+def _action(message: str, module: str, lineno: int) -> str:
+  """What the active warning filters do with an `UnsureLabelWarning` of `message` from
+  `module`'s line `lineno` (as `warnings.warn_explicit` matches them)."""
+  for action, msg, category, mod, line in warnings.filters:
+    if (issubclass(UnsureLabelWarning, category) and (msg is None or msg.match(message))
+        and (mod is None or mod.match(module)) and line in (0, lineno)):
+      return action
+  return warnings.defaultaction
+
+
+def _warn(lines: list[str]) -> None:
+  """One `UnsureLabelWarning` listing `lines`, attributed to the caller's line, and
+  keeping the policy of the call (`_POLICY`). Under the filters that show a warning
+  once per place ('default', 'module', 'once': Python's default), a line already warned
+  in this process is dropped: one warning per cause, not per call."""
+  frame = _caller()
+  module = frame.f_globals.get('__name__', '') if frame is not None else ''
+  lineno = frame.f_lineno if frame is not None else 0
+  policy = _POLICY.get()
+  tail = fix(policy[0] if policy else None, known=policy is not None)
+
+  def message_of(shown: list[str]) -> str:
+    return ('skewadam_jax labels: names and shapes leave these parameters labelled by a '
+            f'guess:\n{_body(shown)}\n{tail}')
+
+  message = message_of(lines)
+  if _action(message, module, lineno) in ('default', 'module', 'once'):
+    lines = [line for line in lines if line not in _WARNED]
+    if not lines:
+      return
+    _WARNED.update(lines)
+    message = message_of(lines)
   if frame is None:
     warnings.warn(message, UnsureLabelWarning, stacklevel=2)
     return

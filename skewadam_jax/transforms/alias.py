@@ -101,7 +101,11 @@ def skewadam(
       params at `init` and on the updates at `update`, so it must label both alike. Or
       the `sj.trace_structure` of the model: its labels and batch axes, and with a
       `'hidden'` tier the backbone leaves the computation shows to be hidden matrices
-      (not embeddings, output layers, biases or gains) get it.
+      (not embeddings, output layers, biases or gains) get it; the leaves it leaves
+      undecided get the tier `'undecided'` under every policy (added to `tiers` unless
+      they name it): no orthogonalisation, nothing shared across any of their axes (an
+      exact second moment, an uncoded momentum, no update clip;
+      `sj.Tier` otherwise the policy's `backbone`).
     batch_axes: each leaf's batch axes, the axes that index independent matrices (the
       expert axis, a scanned layer axis, wherever it sits): a tree of int tuples
       matching the params, or a function of the params returning one; default
@@ -130,9 +134,15 @@ def skewadam(
   """
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
+  policy = tiers  # as the user wrote it: the fix an `UnsureLabelWarning` prints keeps it
   tiers = _presets.check_tiers(tiers)
-  if isinstance(param_labels, _traced.Structure) and batch_axes is None:
-    batch_axes = param_labels.batch_axes
+  if isinstance(param_labels, _traced.Structure):
+    if batch_axes is None:
+      batch_axes = param_labels.batch_axes
+    if param_labels.undecided and _tier.UNDECIDED_TIER not in tiers:
+      # The same safe rule under every policy: nothing shared across an axis that the
+      # analysis could not clear (a policy naming the tier itself keeps its own).
+      tiers[_tier.UNDECIDED_TIER] = _tier.undecided_tier(tiers)
   labeler = tier_labeler(tiers, param_labels)
   # The built-in labeler reports unsure subtrees (a stack or a bank?) itself.
   labeler_reports = param_labels is None or isinstance(param_labels, _labels.Labeler)
@@ -177,8 +187,8 @@ def skewadam(
       optax.scale_by_learning_rate(learning_rate),
   )
   # The tiers and the decay mask label the same tree: one warning per call if unsure.
-  return chain._replace(init=_warning.reported_once(chain.init),
-                        update=_warning.reported_once(chain.update))
+  return chain._replace(init=_warning.reported_once(chain.init, policy),
+                        update=_warning.reported_once(chain.update, policy))
 
 
 def adampm(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import jax.numpy as jnp
 
@@ -153,3 +153,29 @@ class Tier:
       return _grouped.Grouped(self.group_size, self.group_axis, axis_arg='group_axis')
     return {'exact': _exact.EXACT, 'factored': _factored.FACTORED,
             'orthogonal': _orthogonal.ORTHOGONAL}[self.second_moment]
+
+
+# The tier name of the leaves `sj.trace_structure` leaves undecided (`Structure.undecided`).
+UNDECIDED_TIER = 'undecided'
+
+
+def undecided_tier(tiers: Any) -> Tier:
+  """The safe rule for a leaf whose structure is undecided, the same under every policy.
+
+  Nothing of the update is shared across any axis of the leaf, since none of them is
+  known to index the same matrix: an exact (elementwise) second moment, no
+  orthogonalisation, no update clip (an RMS over the leaf's matrix), and the momentum
+  uncoded (a blockwise code's scale is shared by the elements of a block, which may
+  span experts or layers). Scaling one slice of any axis of its gradient moves only that
+  slice's update. The rest (momentum on or off, its dtype and `b1`, Nesterov,
+  `eps_mode`, weight decay, `lr_scale`) is the policy's `backbone` tier's, so that the
+  leaf steps at the policy's learning rate.
+
+  Args:
+    tiers: the policy (tier name -> `Tier`); its `backbone` tier, if any, gives the rest.
+
+  Returns:
+    The `Tier` of the undecided leaves.
+  """
+  base = tiers.get('backbone', Tier()) if isinstance(tiers, Mapping) else Tier()
+  return base.replace(second_moment='exact', clip_threshold=None, mu_codec=None)

@@ -173,6 +173,12 @@ class Analysis:
     if not any(isinstance(t[0], int) for t in mine):
       return
     decs = self.experts_of(other, dispatched)
+    # An axis derived from a bank's expert axis indexes its experts (the output of a
+    # batched contraction with tokens dispatched by computed indices, `[E, C, f]`): a
+    # per-expert bias added to it is the bank's.
+    for key in _info.params_of(other):
+      for found in self.banks.get(key, {}).values():
+        decs = decs | {d for d in found if d is not None}
     for leaf, axis in _info.params_of(mine):
       if (leaf, axis) in self.router_tokens:
         continue

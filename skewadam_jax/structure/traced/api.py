@@ -55,7 +55,9 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
 
   Args:
     fn: the model's forward or loss function, called as `fn(params, *args, **kwargs)`.
-      For Flax NNX, split the model and merge inside: `graphdef, params, rest =
+      For Flax NNX, pass the model itself with a loss of the model (`fn(model,
+      batch)`; its labels match `nnx.state(model, nnx.Param)` by path), or its
+      `nnx.State` with a function of the state: `graphdef, params, rest =
       nnx.split(model, nnx.Param, ...)`, `fn = lambda p, x: nnx.merge(graphdef, p,
       rest)(x)`; for Equinox, pass the model and `lambda m, x: m(x)`.
     params: a pytree whose array leaves (arrays or `jax.ShapeDtypeStruct`s) are the
@@ -74,7 +76,8 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
     backbone, with a `TraceWarning`).
 
   Raises:
-    TypeError: if `fn` is not callable or `params` has no array leaf.
+    TypeError: if `fn` is not callable or `params` has no array leaf, or if `params` is
+      an `nnx.State` that `fn` uses as the model (the error names both forms that work).
 
   Example:
     >>> import jax, jax.numpy as jnp, skewadam_jax as sj
@@ -117,8 +120,19 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
     call_args, call_kwargs = jax.tree_util.tree_unflatten(arg_def, inputs)
     return fn(jax.tree_util.tree_unflatten(treedef, merged), *call_args, **call_kwargs)
 
-  closed = jax.make_jaxpr(traced)(*[_abstract(leaves[i]) for i in pidx],
-                                  *[_abstract(arg_flat[i]) for i in aidx])
+  try:
+    closed = jax.make_jaxpr(traced)(*[_abstract(leaves[i]) for i in pidx],
+                                    *[_abstract(arg_flat[i]) for i in aidx])
+  except (TypeError, AttributeError) as e:
+    if not _is_nnx_state(params):
+      raise
+    raise TypeError(
+        f'sj.trace_structure: `fn` failed on the nnx.State given as `params` ({e}). A '
+        'loss of the model (`loss_fn(model, batch)`) needs the model itself: '
+        'sj.trace_structure(loss_fn, model, batch), whose labels match '
+        'nnx.state(model, nnx.Param) by path; or a function of the state: graphdef, '
+        'state, rest = nnx.split(model, nnx.Param, ...); sj.trace_structure(lambda s, b: '
+        'loss_fn(nnx.merge(graphdef, s, rest), b), state, batch).') from e
   jaxpr = closed.jaxpr
   one = [frozenset({k}) for k in range(len(pidx))]
   infos = [_info.Info(tuple(frozenset({(k, a)}) for a in range(len(shapes[k]))),
@@ -151,6 +165,12 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
   return structure
 
 
+def _is_nnx_state(x: Any) -> bool:
+  """Whether `x` is a Flax NNX `State` (without importing Flax)."""
+  return any(c.__name__ == 'State' and c.__module__.startswith('flax.nnx')
+             for c in type(x).__mro__)
+
+
 def _warn(analysis: _analysis.Analysis, paths: list[str], undecided: dict[str, str]) -> None:
   """One warning per primitive with no rule, and per selection deciding nothing, that
   parameters reach: each names the primitive, the user's line and the leaves; and one
@@ -161,21 +181,28 @@ def _warn(analysis: _analysis.Analysis, paths: list[str], undecided: dict[str, s
   if rest:
     shown = '; '.join(f'{path}: {why}' for path, why in list(rest.items())[:8])
     more = f'; and {len(rest) - 8} more' if len(rest) > 8 else ''
-    warnings.warn(f'sj.trace_structure: {len(rest)} leaves are undecided (labelled '
-                  f'backbone, see `.undecided`): {shown}{more}', TraceWarning, stacklevel=3)
+    warnings.warn(f'sj.trace_structure: {len(rest)} leaves are undecided (see '
+                  f'`.undecided`): {shown}{more}. {_SAFE}', TraceWarning, stacklevel=3)
   for (prim, line), leaves in analysis.unknown.items():
     if leaves:
       warnings.warn(
           f'sj.trace_structure: no rule reads the primitive `{prim}` (at {line}); the '
-          f'{len(leaves)} leaves whose flow crosses it are undecided (labelled backbone) '
-          f'unless other evidence decides them: {_names(paths, leaves)}', TraceWarning,
-          stacklevel=3)
+          f'{len(leaves)} leaves whose flow crosses it are undecided unless other evidence '
+          f'decides them: {_names(paths, leaves)}. {_SAFE}', TraceWarning, stacklevel=3)
   for (prim, line), leaves in analysis.blind.items():
     warnings.warn(
         f'sj.trace_structure: `{prim}` (at {line}) selects among values computed from '
         f'parameters but makes no routing decision (no expert axis can be told); the '
-        f'leaves it depends on are undecided (labelled backbone) unless other evidence '
-        f'decides them: {_names(paths, leaves)}', TraceWarning, stacklevel=3)
+        f'leaves it depends on are undecided unless other evidence decides them: '
+        f'{_names(paths, leaves)}. {_SAFE}', TraceWarning, stacklevel=3)
+
+
+# What every undecided leaf gets, and how to settle one, in each warning.
+_SAFE = ('Passed as sj.skewadam(learning_rate, tiers=<your tiers>, param_labels=trace), '
+         "the trace gives every undecided leaf the tier 'undecided', the safe rule: "
+         f'{_warning.SAFE_RULE}; to settle one, read its structure from '
+         "`trace.format()` and pass your own labels, e.g. "
+         "sj.make_labeler([('<path>', '<tier>')])")
 
 
 def _names(paths: list[str], leaves: set[int], most: int = 8) -> str:

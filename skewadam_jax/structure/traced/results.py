@@ -11,6 +11,9 @@ from skewadam_jax.estimators import orthogonal as _orthogonal
 
 BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
 HIDDEN = 'hidden'  # the tier a Muon-style policy orthogonalises (`sj.MUON_TIERS`)
+# The tier of undecided leaves: `sj.skewadam` adds it to every policy, with the safe rule
+# (`transforms.tier.undecided_tier`): nothing shared across any axis of the leaf.
+UNDECIDED = 'undecided'
 
 # What a leaf does in the computation (`LeafStructure.role`).
 HIDDEN_MATRIX = 'hidden matrix'  # multiplied with activations: what Muon is for
@@ -58,8 +61,12 @@ class Structure:
       batch_axes=...)` (a `Structure` passed as `param_labels` brings them itself).
     leaves: one `LeafStructure` per array leaf, in flattening order.
     decisions: the routing decisions that dispatch tokens to an expert bank.
-    undecided: path -> reason, for leaves the analysis could not decide (they are
-      labelled backbone, the lossless tier, with no batch axes beyond scanned layers).
+    undecided: path -> reason, for leaves the analysis could not decide. `labels`
+      has them `backbone` (with no batch axes beyond scanned layers); passed as
+      `sj.skewadam(..., param_labels=structure)`, under every policy they get the tier
+      `'undecided'` with the safe rule (`labels_for`): no orthogonalisation, nothing
+      shared across any of their axes (an exact second moment, an uncoded momentum, no
+      update clip).
   """
   labels: Any
   batch_axes: Any
@@ -68,19 +75,30 @@ class Structure:
   undecided: dict[str, str]
 
   def labels_for(self, tiers: Any) -> Any:
-    """`labels` for a tier policy: with a `'hidden'` tier (`sj.MUON_TIERS`), the
-    backbone leaves whose role is a hidden matrix get it (not embeddings, output
+    """`labels` for a tier policy: with an `'undecided'` tier (which `sj.skewadam` adds
+    to every policy, with the safe rule `transforms.tier.undecided_tier`), the undecided
+    leaves get it, whatever their tier; with a `'hidden'` tier (`sj.MUON_TIERS`), the
+    other backbone leaves whose role is a hidden matrix get it (not embeddings, output
     layers, biases or gains, whatever their names and shapes), unless a side of their
     matrix is 1 (a gate `[d, 1]`: a vector, `orthogonal.has_matrix`)."""
-    if HIDDEN not in tiers:
+    undecided = set(self.undecided) if UNDECIDED in tiers else set()
+    hidden = set()
+    if HIDDEN in tiers:
+      hidden = {leaf.path for leaf in self.leaves
+                if leaf.tier == BACKBONE and leaf.role == HIDDEN_MATRIX
+                and _orthogonal.has_matrix(leaf.shape, leaf.batch_axes)}
+    if not undecided and not hidden:
       return self.labels
-    hidden = {leaf.path for leaf in self.leaves
-              if leaf.tier == BACKBONE and leaf.role == HIDDEN_MATRIX
-              and _orthogonal.has_matrix(leaf.shape, leaf.batch_axes)}
     flat, treedef = jax.tree_util.tree_flatten(self.labels, is_leaf=lambda x: x is None)
     order = iter(leaf.path for leaf in self.leaves)
-    out = [x if x is None else (HIDDEN if next(order) in hidden else x) for x in flat]
-    return jax.tree_util.tree_unflatten(treedef, out)
+
+    def label(x: Any) -> Any:
+      if x is None:
+        return x
+      path = next(order)
+      return UNDECIDED if path in undecided else HIDDEN if path in hidden else x
+
+    return jax.tree_util.tree_unflatten(treedef, [label(x) for x in flat])
 
   @property
   def roles(self) -> dict[str, str]:

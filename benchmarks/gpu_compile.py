@@ -34,7 +34,9 @@ Writes results/gpu_compile_<target>.{json,md,png} under benchmarks/.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,151 @@ from examples import _cli  # noqa: E402
 from examples.moe_lm.model import abstract_params, get_config  # noqa: E402
 
 TARGETS = sorted(p.stem for p in _common.GPU_SPECS.glob('*.txtpb'))
-STEP_NAMES = ('copy', 'adamw', 'adafactor', 'skewadam', 'adampm')
+STEP_NAMES = ('copy', 'adamw', 'adafactor', 'skewadam', 'adampm', 'skewadam-muon',
+              'skewadam-muon-coded', 'muon')
+PEAK_OPTIMIZERS = peak_memory.OPTIMIZERS + peak_memory.MORE_OPTIMIZERS
+
+# The roofline's constants, an H200 SXM's datasheet figures: HBM3e bandwidth, dense bf16
+# tensor-core peak (no sparsity), and a kernel's launch and tail cost, about what the
+# measured 128.7M steps lose per extra kernel (RESULTS.md, section GPU). The estimate
+# is max(bytes / bandwidth, flops / peak) + kernels x launch: bandwidth and tensor cores
+# overlap within a kernel, launches do not overlap with the kernels they start.
+HBM_BYTES_PER_S = 4.8e12
+BF16_FLOPS_PER_S = 989e12
+LAUNCH_S = 5e-6
+# The measured update times (step_time.py on an H200) beside the plans of the same tree.
+MEASURED = {'float32': _common.RESULTS / 'gpu' / 'step_time_gpu_float32.json',
+            'bfloat16': _common.RESULTS / 'gpu' / 'step_time_gpu_bfloat16_f32state.json'}
+
+_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$')
+_CALLED = re.compile(r'(body|condition|calls|to_apply)=%?([\w.\-]+)')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_DIMS = re.compile(r'(?:bf16|f16|f32|f64|s8|u8|s32|u32|pred)\[([\d,]*)\]')
+
+
+def _dims(type_text: str) -> list[int]:
+  m = _DIMS.search(type_text)
+  return [int(d) for d in m.group(1).split(',') if d] if m else []
+
+
+def _dot_flops(out_type: str, rest: str, shapes: dict[str, list[int]]) -> int:
+  """2 x output elements x contracted size of one dot (HLO `dot` or a cuBLAS call)."""
+  m = (re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest)
+       or re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', rest))
+  operands = re.findall(r'%([\w.\-]+)', rest.split('), ', 1)[0])
+  if not m or not operands or operands[0] not in shapes:
+    return 0
+  lhs = shapes[operands[0]]
+  k = 1
+  for d in re.findall(r'\d+', m.group(1)):
+    k *= lhs[int(d)]
+  n = 1
+  for d in _dims(out_type):
+    n *= d
+  return 2 * n * k
+
+
+def hlo_costs(hlo_text: str) -> dict[str, int]:
+  """Bytes, kernels and dot flops of a compiled module, its loops unrolled.
+
+  As `_common.hlo_kernel_bytes` (every non-free instruction of the ENTRY computation is a
+  kernel that reads its operands and writes its result once), but a `while` counts its
+  body and condition `known_trip_count` times (`optax.contrib.muon` runs Newton-Schulz
+  in a loop) and a `call` its callee. Flops are those of the dots alone (HLO `dot`,
+  inside fusions too, and cuBLAS custom calls): a compile-only GPU executable has no
+  `cost_analysis()`, and the elementwise arithmetic is bounded by the bytes anyway.
+
+  Returns:
+    `{'bytes', 'kernels', 'flops'}`.
+  """
+  comps: dict[str, list[str]] = {}
+  entry = None
+  current = None
+  for line in hlo_text.split('\n'):
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m:
+        current = m.group(1)
+        comps[current] = []
+        if line.startswith('ENTRY'):
+          entry = current
+    elif line.startswith('}'):
+      current = None
+    else:
+      comps[current].append(line)
+
+  def parse(name):
+    out = []
+    for line in comps.get(name, ()):
+      m = _common._HLO_INSTR.match(line)
+      if m:
+        out.append(m.groups())
+    return out
+
+  flops_memo: dict[str, int] = {}
+
+  def inner_flops(name: str) -> int:
+    """Dot flops of a fused (or applied) computation, once."""
+    if name not in flops_memo:
+      shapes, total = {}, 0
+      for iname, type_text, opcode, rest in parse(name):
+        shapes[iname] = _dims(type_text)
+        if opcode == 'dot':
+          total += _dot_flops(type_text, rest, shapes)
+        for _, callee in _CALLED.findall(rest):
+          if callee != name:
+            total += inner_flops(callee)
+      flops_memo[name] = total
+    return flops_memo[name]
+
+  def run(name: str) -> tuple[int, int, int]:
+    """(bytes, kernels, flops) of executing computation `name` once."""
+    sizes: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
+    total = kernels = flops = 0
+    for iname, type_text, opcode, rest in parse(name):
+      sizes[iname] = _common._hlo_type_bytes(type_text)
+      shapes[iname] = _dims(type_text)
+      if opcode in _common._HLO_FREE:
+        continue
+      called = dict(_CALLED.findall(rest))
+      if opcode == 'while':
+        trip = _TRIP.search(rest)
+        n = int(trip.group(1)) if trip else 1
+        for part in ('body', 'condition'):
+          b, k, f = run(called[part])
+          total, kernels, flops = total + n * b, kernels + n * k, flops + n * f
+        continue
+      if opcode == 'call':
+        b, k, f = run(called['to_apply'])
+        total, kernels, flops = total + b, kernels + k, flops + f
+        continue
+      operands = rest.split('), ', 1)[0]
+      total += sizes[iname] + sum(sizes.get(a, 0)
+                                  for a in re.findall(r'%([\w.\-]+)', operands))
+      kernels += 1
+      if opcode == 'dot' or (opcode == 'custom-call'
+                             and re.search(r'gemm|matmul', rest, re.IGNORECASE)):
+        flops += _dot_flops(type_text, rest, shapes)
+      elif 'calls' in called:
+        flops += inner_flops(called['calls'])
+    return total, kernels, flops
+
+  b, k, f = run(entry)
+  return {'bytes': b, 'kernels': k, 'flops': f}
+
+
+def roofline_s(bytes_: float, flops: float, kernels: int) -> float:
+  """The roofline estimate of a step's time in seconds (constants above)."""
+  return max(bytes_ / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) + kernels * LAUNCH_S
+
+
+def measured_ms(dtype: str) -> dict[str, float]:
+  """`step_time.py`'s median update times on an H200 (ms) for the 128.7M tree."""
+  path = MEASURED.get(dtype)
+  if path is None or not path.exists():
+    return {}
+  return {k: v['median_ms'] for k, v in json.loads(path.read_text())['results'].items()}
 
 
 def peak_rows(device: Any, configs: list[str], optimizers: list[str]) -> list[dict[str, Any]]:
@@ -100,6 +246,7 @@ def update_rows(device: Any, names: list[str], tree_name: str, dtype: str
   tree = nnx.to_pure_dict(abstract_params(cfg))
   trees = {'all': tree, 'experts': step_time.subtree(tree, 'experts'),
            'backbone': step_time.subtree(tree, 'backbone')}
+  measured = measured_ms(dtype)
   jobs = [('all', n) for n in names]
   jobs += [(leaves, n) for leaves in ('experts', 'backbone') for n in ('adamw', 'skewadam')
            if n in names]
@@ -110,17 +257,33 @@ def update_rows(device: Any, names: list[str], tree_name: str, dtype: str
                                None if leaves == 'all' else leaves)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    kernel_bytes, kernels = _common.hlo_kernel_bytes(compiled.as_text())
+    costs = hlo_costs(compiled.as_text())
+    try:  # a compile-only GPU executable has none (jax 0.10); kept where one exists
+      xla_cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+      xla_cost = None
     temp = compiled.memory_analysis().temp_size_in_bytes
-    rows.append({'tree': tree_name, 'dtype': dtype, 'leaves': leaves, 'step': name,
-                 'params': n_params,
-                 'kernel_bytes': kernel_bytes, 'bytes_per_param': kernel_bytes / n_params,
-                 'kernels': kernels, 'temp_bytes': temp,
-                 'temp_fraction_of_params': temp / param_bytes})
+    estimate = roofline_s(costs['bytes'], costs['flops'], costs['kernels'])
+    row = {'tree': tree_name, 'dtype': dtype, 'leaves': leaves, 'step': name,
+           'params': n_params,
+           'kernel_bytes': costs['bytes'], 'bytes_per_param': costs['bytes'] / n_params,
+           'kernels': costs['kernels'], 'dot_flops': costs['flops'],
+           'xla_cost_analysis': ({k: xla_cost[k] for k in ('flops', 'bytes accessed')
+                                  if k in xla_cost} if xla_cost else None),
+           'temp_bytes': temp, 'temp_fraction_of_params': temp / param_bytes,
+           'roofline_ms': 1e3 * estimate,
+           'roofline_bytes_ms': 1e3 * costs['bytes'] / HBM_BYTES_PER_S,
+           'roofline_flops_ms': 1e3 * costs['flops'] / BF16_FLOPS_PER_S,
+           'roofline_launch_ms': 1e3 * costs['kernels'] * LAUNCH_S}
+    if leaves == 'all' and tree_name == 'w8' and name in measured:
+      row['measured_ms'] = measured[name]
+    rows.append(row)
   for row in rows:
     base = [r for r in rows if r['leaves'] == row['leaves'] and r['step'] == 'adamw']
     if base:
       row['bytes_vs_adamw'] = row['kernel_bytes'] / base[0]['kernel_bytes']
+      row['kernels_vs_adamw'] = row['kernels'] / base[0]['kernels']
+      row['roofline_vs_adamw'] = row['roofline_ms'] / base[0]['roofline_ms']
   return rows
 
 
@@ -156,24 +319,68 @@ def markdown(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any
               f'XLA:GPU for {target}',
               '']
     header = ['leaves', 'step', 'kernel bytes / param', 'x adamw bytes', 'kernels',
-              'XLA temp', 'temp % of params']
+              'x adamw kernels', 'dot GFLOP', 'roofline ms (traffic or dots + launches)',
+              'x adamw roofline', 'measured ms (H200)', 'XLA temp']
     table = [[r['leaves'], step_time.LABELS.get(r['step'], r['step']),
-              f"{r['bytes_per_param']:.1f}",
-              f"{r['bytes_vs_adamw']:.2f}" if 'bytes_vs_adamw' in r else '-',
-              r['kernels'], f"{r['temp_bytes'] / 2**20:.2f} MiB",
-              f"{100 * r['temp_fraction_of_params']:.3f}%"] for r in mine]
-    parts += [_common.markdown_table(header, table, align='ll' + 'r' * 5), '']
+              f"{r['bytes_per_param']:.1f}", _ratio(r, 'bytes_vs_adamw'), r['kernels'],
+              _ratio(r, 'kernels_vs_adamw'), f"{r['dot_flops'] / 1e9:,.1f}",
+              _roofline_text(r), _ratio(r, 'roofline_vs_adamw'),
+              f"{r['measured_ms']:.2f}" if 'measured_ms' in r else '-',
+              f"{r['temp_bytes'] / 2**20:.2f} MiB"] for r in mine]
+    parts += [_common.markdown_table(header, table, align='ll' + 'r' * 9), '']
+  parts += [f'Roofline: max(bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s, dot flops / '
+            f'{BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s) + kernels x {LAUNCH_S * 1e6:.0f} us '
+            "(in parentheses: the larger of the first two, then the launches). 'measured': "
+            "step_time.py's median on an H200 (results/gpu/), where a run exists.", '']
+  parts += goals(peak, update)
   return '\n'.join(parts)
+
+
+def _roofline_text(r: dict[str, Any]) -> str:
+  body = max(r['roofline_bytes_ms'], r['roofline_flops_ms'])
+  return f"{r['roofline_ms']:.2f} ({body:.2f} + {r['roofline_launch_ms']:.2f})"
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+  return f'{row[key]:.2f}' if key in row else '-'
+
+
+# The issue's goals on the plans: (the published tiers' update kernels at 128.7M against
+# AdamW's, bound), (MUON_CODED_TIERS' 6.78B step peak, bound in GiB: the paper's SkewAdam).
+KERNEL_GOAL = 1.2
+PEAK_GOAL_GIB = peak_memory.PUBLISHED_PEAK_GIB['skewadam']
+
+
+def goals(peak: list[dict[str, Any]], update: list[dict[str, Any]]) -> list[str]:
+  """The goals' lines, each with its figure and verdict, from the rows at hand."""
+  lines = ['### Goals on the plans', '']
+  for r in update:
+    if (r['tree'], r['leaves'], r['step']) == ('w8', 'all', 'skewadam') and \
+        'kernels_vs_adamw' in r:
+      ok = r['kernels_vs_adamw'] <= KERNEL_GOAL
+      lines.append(f"- Published tiers' update kernels at 128.7M ({r['dtype']}): "
+                   f"{r['kernels']} = {r['kernels_vs_adamw']:.2f}x AdamW's (goal <= "
+                   f"{KERNEL_GOAL}x): **{'met' if ok else 'not met'}**.")
+  for r in peak:
+    if (r['config'], r['optimizer']) == ('paper-6.78b', 'skewadam-muon-coded'):
+      gib = r['predicted_bytes'] / GIB
+      ok = gib <= PEAK_GOAL_GIB
+      lines.append(f"- MUON_CODED_TIERS' 6.78B step peak: {gib:.2f} GiB planned (goal <= "
+                   f"{PEAK_GOAL_GIB} GiB): **{'met' if ok else 'not met'}** (a plan; a "
+                   'device adds its context and allocator slack).')
+  return lines + ['']
 
 
 def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
          path: Path) -> None:
+  """Three panels: the 6.78B step's peak, the update's bytes against AdamW's, and the
+  roofline estimate of the 128.7M update beside its measured time."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import numpy as np
 
-  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(18, 5))
   mine = [r for r in peak if r['config'] == 'paper-6.78b']
   if mine:
     x = np.arange(len(mine))
@@ -184,7 +391,10 @@ def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
             label='weights + grads + state')
     ax0.bar(x + 2 * w, [peak_memory.PUBLISHED_PEAK_GIB.get(r['optimizer'], 0) for r in mine],
             w, label='published (H200)')
-    ax0.set_xticks(x + w, [r['optimizer'] for r in mine])
+    ax0.axhline(PEAK_GOAL_GIB, color='red', lw=0.8, ls='--',
+                label=f"goal for MUON_CODED_TIERS: <= {PEAK_GOAL_GIB} GiB")
+    ax0.set_xticks(x + w, [r['optimizer'] for r in mine], rotation=30, ha='right',
+                   fontsize=7)
     ax0.set_ylabel('GiB')
     ax0.set_title('paper-6.78b: peak memory of one training step', fontsize=9)
     ax0.legend(fontsize=7)
@@ -194,14 +404,30 @@ def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
     x = np.arange(len(rows))
     w = 0.8 / len(groups)
     ax1.bar(x + j * w, [r.get('bytes_vs_adamw', 0) for r in rows], w, label=f'{tree}, {dtype}')
-    ax1.set_xticks(x + 0.4 - w / 2, [r['step'] for r in rows])
+    ax1.set_xticks(x + 0.4 - w / 2, [r['step'] for r in rows], rotation=30, ha='right',
+                   fontsize=7)
   if update:
     ax1.axhline(1.0, color='gray', lw=0.8)
-    ax1.set_ylim(0, 1.5)
     ax1.legend(fontsize=7)
     ax1.set_ylabel("kernel bytes / optax.adamw's")
     ax1.set_title(f'optimizer update + apply: memory traffic (XLA:GPU plan, {target})',
                   fontsize=9)
+  w8 = [(tree, dtype) for tree, dtype in groups if tree == 'w8']
+  for j, (tree, dtype) in enumerate(w8):
+    rows = [r for r in update if r['leaves'] == 'all' and (r['tree'], r['dtype']) == (tree, dtype)]
+    x = np.arange(len(rows))
+    w = 0.8 / (2 * len(w8))
+    ax2.bar(x + 2 * j * w, [r['roofline_ms'] for r in rows], w,
+            label=f'roofline, {dtype}')
+    ax2.bar(x + (2 * j + 1) * w, [r.get('measured_ms', 0) for r in rows], w,
+            label=f'measured on an H200, {dtype}', hatch='//')
+    ax2.set_xticks(x + 0.4 - w / 2, [r['step'] for r in rows], rotation=30, ha='right',
+                   fontsize=7)
+  if w8:
+    ax2.set_yscale('log')
+    ax2.set_ylabel('ms per update + apply')
+    ax2.set_title('128.7M tree: roofline estimate against measured time', fontsize=9)
+    ax2.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -214,8 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
               help='GPU whose spec (gpu_specs/<target>.txtpb) XLA compiles for')
   _cli.option(ap, '--configs', nargs='*', default=list(peak_memory.CONFIGS),
               choices=list(peak_memory.CONFIGS), help='models of the peak-memory rows')
-  _cli.option(ap, '--optimizers', nargs='*', default=list(peak_memory.OPTIMIZERS),
-              choices=peak_memory.OPTIMIZERS, help='optimizers of the peak-memory rows')
+  _cli.option(ap, '--optimizers', nargs='*', default=list(PEAK_OPTIMIZERS),
+              choices=PEAK_OPTIMIZERS, help='optimizers of the peak-memory rows')
   _cli.option(ap, '--steps', nargs='*', default=list(STEP_NAMES), choices=STEP_NAMES,
               help='optimizer steps whose update traffic is compiled')
   _cli.option(ap, '--dtypes', nargs='*', default=['float32', 'bfloat16'],

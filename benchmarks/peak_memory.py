@@ -49,8 +49,14 @@ from _common import GIB, RESULTS
 from examples import _cli
 
 OPTIMIZERS = ('adamw', 'adafactor', 'skewadam', 'adampm')
+# Further presets that other scripts (gpu_compile.py) plan the step of; not run here
+# by default.
+MORE_OPTIMIZERS = ('skewadam-muon', 'skewadam-muon-coded', 'muon')
 LABELS = {'adamw': 'AdamW (fp32 m, v)', 'adafactor': 'Adafactor (optax default)',
-          'skewadam': 'SkewAdam (published tiers)', 'adampm': 'AdamPM (s = 8, fp32 m, nu)'}
+          'skewadam': 'SkewAdam (published tiers)', 'adampm': 'AdamPM (s = 8, fp32 m, nu)',
+          'skewadam-muon': 'SkewAdam (MUON_TIERS)',
+          'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS)',
+          'muon': 'optax.contrib.muon (bf16 momentum)'}
 PUBLISHED_PEAK_GIB = {'skewadam': 31.3, 'adamw': 81.4, 'adafactor': 29.6}
 CONFIGS = {'paper-6.78b': {'run': False}, 'w8': {'run': True}}
 BATCH, SEQ = 8, 128
@@ -69,12 +75,19 @@ def _config(name: str):
 
 def _optimizer(name: str):
   import optax
+  from optax import contrib
   import skewadam_jax as sj
   lr, wd = 3e-4, 0.1
   return {'adamw': lambda: optax.adamw(lr, weight_decay=wd),
           'adafactor': lambda: optax.adafactor(lr),
           'skewadam': lambda: sj.skewadam(lr, weight_decay=wd),
-          'adampm': lambda: sj.adampm(lr, weight_decay=wd, group_size=8)}[name]()
+          'adampm': lambda: sj.adampm(lr, weight_decay=wd, group_size=8),
+          'skewadam-muon': lambda: sj.skewadam(lr, weight_decay=wd, tiers=sj.MUON_TIERS),
+          'skewadam-muon-coded': lambda: sj.skewadam(lr, weight_decay=wd,
+                                                     tiers=sj.MUON_CODED_TIERS),
+          'muon': lambda: contrib.muon(lr, weight_decay=wd,
+                                       muon_weight_dimension_numbers=_common.muon_dims),
+          }[name]()
 
 
 def _rss_kib(field: str) -> int:
@@ -129,7 +142,7 @@ def abstract_step(config: str, opt: str, sharding: Any = None
 
   Args:
     config: a key of `CONFIGS`.
-    opt: a key of `OPTIMIZERS`.
+    opt: a key of `OPTIMIZERS` or `MORE_OPTIMIZERS`.
     sharding: placed on every abstract argument (e.g. a compile-only GPU device's);
       None for the default device.
 
@@ -166,9 +179,12 @@ def abstract_step(config: str, opt: str, sharding: Any = None
 
 
 def _init(opt: str, tx: Any) -> Any:
-  """`tx.init`; the optax baselines and AdamPM on a float32 view of the parameters
-  (float32 state for bf16 weights, as published); SkewAdam's state is float32 anyway."""
-  return tx.init if opt == 'skewadam' else _common.init_on_float32(tx)
+  """`tx.init`; AdamW, Adafactor and AdamPM on a float32 view of the parameters
+  (float32 state for bf16 weights, as published); SkewAdam's state is float32 anyway, and
+  `optax.contrib.muon` keeps its own (its momentum in the weights' dtype, as step_time.py
+  runs it)."""
+  return (_common.init_on_float32(tx) if opt in ('adamw', 'adafactor', 'adampm')
+          else tx.init)
 
 
 def compile_step(config: str, opt: str, sharding: Any = None

@@ -54,6 +54,51 @@ def test_kernel_bytes_of_a_copy():
   assert (kernel_bytes, kernels) == (2 * x.nbytes, 1)
 
 
+@pytest.mark.parametrize('n,trip', [(64, 3), (96, 40)])
+def test_hlo_costs_unroll_loops_and_count_dots(n, trip):
+  # gpu_compile.py's plans count a loop's body once per trip and the dots' flops
+  # (optax.contrib.muon runs Newton-Schulz in a loop); XLA's cost analysis counts a body
+  # once, so the expected figures are worked out here: 2 n^3 per matmul and trip.
+  import gpu_compile
+  x = jax.ShapeDtypeStruct((n, n), jnp.float32)
+
+  def f(a):
+    return jax.lax.fori_loop(0, trip, lambda i, y: jnp.tanh(y @ a), a)
+
+  text = jax.jit(f).lower(x).compile().as_text()
+  costs = gpu_compile.hlo_costs(text)
+  assert costs['flops'] == trip * 2 * n ** 3
+  loops = ' while(' in text
+  assert costs['kernels'] >= (trip if loops else 1)
+  assert costs['bytes'] >= trip * 3 * n * n * 4  # each trip reads y and a, writes y
+
+
+@pytest.mark.parametrize('make', [lambda: optax.adamw(1e-3), lambda: sj.skewadam(1e-3)],
+                         ids=['adamw', 'skewadam'])
+def test_hlo_costs_equal_kernel_bytes_without_loops(make):
+  import gpu_compile
+  tx = make()
+  params = _tree()
+
+  def step(p, g, s):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  text = jax.jit(step, donate_argnums=(0, 2)).lower(
+      params, params, tx.init(params)).compile().as_text()
+  costs = gpu_compile.hlo_costs(text)
+  assert (costs['bytes'], costs['kernels']) == _common.hlo_kernel_bytes(text)
+  assert costs['flops'] == 0
+
+
+def test_roofline_adds_launches_to_the_larger_bound():
+  import gpu_compile
+  t = gpu_compile.roofline_s(4.8e12, 0.0, 0)
+  assert t == pytest.approx(1.0)
+  t = gpu_compile.roofline_s(0.0, 2 * gpu_compile.BF16_FLOPS_PER_S, 10)
+  assert t == pytest.approx(2.0 + 10 * gpu_compile.LAUNCH_S)
+
+
 def test_compile_only_device_rejects_unknown_target():
   with pytest.raises(ValueError, match='`target` must be one of'):
     _common.compile_only_device('h999')

@@ -20,13 +20,22 @@ execute on that GPU, so two of the step's figures can be read off it:
   provide), the number of kernels and XLA's temp. A memory-bound step's time follows
   its bytes only if every kernel streams at the same bandwidth, so the ratio to AdamW's
   bytes is what the step would take at equal bandwidth, not a timing.
+* **A roofline estimate of the update** from those counts (`hlo_costs`: loops counted
+  once per trip, the dots' flops): max(bytes / HBM bandwidth, dot flops / bf16 peak) +
+  kernels x launch cost (`HBM_BYTES_PER_S`, `BF16_FLOPS_PER_S`, `LAUNCH_S`), beside
+  `step_time.py`'s measured time on an H200 where `results/gpu/` holds one.
+
+Every preset: optax.adamw, optax.adafactor, SkewAdam's published tiers, `MUON_TIERS`,
+`MUON_CODED_TIERS`, AdamPM and `optax.contrib.muon` (the Muon peer). The markdown ends
+with the goals on the plans: the published tiers' update kernels at 128.7M within 1.2x
+AdamW's, and `MUON_CODED_TIERS`' 6.78B step peak at most the paper's SkewAdam peak.
 
 Setup (once; a separate environment keeps the CPU one free of CUDA wheels):
 
   python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
   python -m pip install -e ".[examples]" && python -m pip install "jax[cuda12]==$(
       python -c 'import jax; print(jax.__version__)')"       # the plugin of that jax
-  python benchmarks/gpu_compile.py          # H200, both parts: ~3 min on 2 cores
+  python benchmarks/gpu_compile.py          # H200, every part: ~4.5 min on 2 cores
 
 Writes results/gpu_compile_<target>.{json,md,png} under benchmarks/.
 """

@@ -430,14 +430,25 @@ CALIBRATION_IDLE_S = 9.0
 SLOW_TEST_IDLE_S = 600.0
 
 
-def _calibrated_timeout(base_s: float = SLOW_TEST_IDLE_S) -> float:
-  """`base_s` scaled by how much slower than idle this machine runs the calibration
-  step now (never below `base_s`): a busy machine gets the time it needs."""
+def _calibration_seconds() -> float:
+  """This machine's seconds for the calibration step now, in a fresh process."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
   env.pop('XLA_FLAGS', None)
   out = subprocess.run([sys.executable, '-c', CALIBRATION], env=env, capture_output=True,
                        text=True, check=True)
-  return base_s * max(1.0, float(out.stdout.split()[-1]) / CALIBRATION_IDLE_S)
+  return float(out.stdout.split()[-1])
+
+
+def _scaled_timeout(measured_s: float, base_s: float) -> float:
+  """`base_s` scaled by how much slower than idle the calibration step ran (`measured_s`
+  against `CALIBRATION_IDLE_S`), never below `base_s`."""
+  return base_s * max(1.0, measured_s / CALIBRATION_IDLE_S)
+
+
+def _calibrated_timeout(base_s: float = SLOW_TEST_IDLE_S) -> float:
+  """`base_s` scaled by how much slower than idle this machine runs the calibration
+  step now (never below `base_s`): a busy machine gets the time it needs."""
+  return _scaled_timeout(_calibration_seconds(), base_s)
 
 
 def _run(args: list[str], cwd: Path, timeout: float = SLOW_TEST_IDLE_S
@@ -448,13 +459,15 @@ def _run(args: list[str], cwd: Path, timeout: float = SLOW_TEST_IDLE_S
                         text=True, timeout=timeout)
 
 
-def test_the_calibrated_timeout_grows_with_a_slower_machine(monkeypatch):
-  timeout = _calibrated_timeout(100.0)
-  assert timeout >= 100.0
-  # Twice as slow as measured: twice the time (a slower calibration, same formula).
-  monkeypatch.setattr(sys.modules[__name__], 'CALIBRATION_IDLE_S',
-                      CALIBRATION_IDLE_S * 100.0 / timeout / 2)
-  assert _calibrated_timeout(100.0) > 1.5 * timeout
+def test_the_calibrated_timeout_grows_with_a_slower_machine():
+  measured = _calibration_seconds()
+  assert 0.0 < measured < 10 * SLOW_TEST_IDLE_S
+  assert _calibrated_timeout(100.0) >= 100.0
+  # An idle or faster machine gets the base; a slower one proportionally more.
+  assert _scaled_timeout(CALIBRATION_IDLE_S / 2, 100.0) == 100.0
+  assert _scaled_timeout(CALIBRATION_IDLE_S, 100.0) == 100.0
+  assert _scaled_timeout(2 * CALIBRATION_IDLE_S, 100.0) == 200.0
+  assert _scaled_timeout(3 * measured + CALIBRATION_IDLE_S, 100.0) > 100.0
 
 
 @pytest.mark.slow

@@ -149,6 +149,21 @@ def split_shape(shape: tuple[int, ...], extents: tuple[int, ...]) -> tuple[int, 
   return tuple(d for n, e in zip(shape, extents) for d in (n // e, e))
 
 
+def inherits_sharding(param: Any) -> bool:
+  """Whether a codec's `init` builds the state from `param`, so that it inherits its
+  placement: a concrete array (on its devices), or a traced one whose type names a mesh
+  (under `jax.set_mesh`; the state's type then matches what a step returns). A traced
+  parameter without a mesh (under `jax.eval_shape`, or `jit` outside a mesh) gets the
+  same arrays built directly, which traces fewer operations."""
+  if not isinstance(param, jax.core.Tracer):
+    return True
+  try:
+    mesh = jax.typeof(param).sharding.mesh
+  except (AttributeError, TypeError):  # a jax whose types carry no sharding
+    return False
+  return not getattr(mesh, 'empty', True)
+
+
 class Placed(NamedTuple):
   """Where an array lies under an Explicit mesh: the mesh and one spec entry per axis."""
   mesh: Any
@@ -278,6 +293,26 @@ def unpack_codes(packed: jax.Array, axis: Optional[int], n: int, bits: int) -> j
   if axis is None or bits == 8:
     return packed
   return unpack_nibbles(packed, axis, n) if bits == 4 else unpack_planes(packed, axis, n, bits)
+
+
+def packed_constant(shape: tuple[int, ...], axis: Optional[int], bits: int, code: int
+                    ) -> jax.Array:
+  """The stored (packed along `axis`) codes of a leaf of `shape` whose every code is
+  `code`. Where whole groups fill the packed axis each packed row repeats one group's
+  bytes: one broadcast of a constant row, rather than packing a full array while
+  tracing."""
+  if axis is None or bits == 8:
+    return jnp.full(shape, code, jnp.uint8)
+  n, group = shape[axis], pack_group(bits)
+  if n % group:  # a padded last group: pack it as it is stored
+    return pack_codes(jnp.full(shape, code, jnp.uint8), axis, bits)
+  # Whole groups: `bits / 8` bytes per code along the packed axis.
+  packed = shape[:axis] + (n * bits // 8,) + shape[axis + 1:]
+  if bits == 4:
+    return jnp.full(packed, code | code << 4, jnp.uint8)
+  planes = np.asarray([0xFF if code >> k & 1 else 0 for k in range(bits)], np.uint8)
+  row = np.tile(planes, n // group).reshape((-1,) + (1,) * (len(shape) - axis - 1))
+  return jnp.broadcast_to(row, packed)
 
 
 def pack_group(bits: int) -> int:

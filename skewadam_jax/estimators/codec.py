@@ -153,21 +153,6 @@ def _no_derivative_bwd(_: None, cotangent: jax.Array) -> tuple[jax.Array]:
 _no_derivative.defvjp(_no_derivative_fwd, _no_derivative_bwd)
 
 
-def _inherits_sharding(param: Any) -> bool:
-  """Whether `init` builds the state from `param`, so that it inherits its placement: a
-  concrete array (on its devices), or a traced one whose type names a mesh (under
-  `jax.set_mesh`; the state's type then matches what a step returns). A traced
-  parameter without a mesh (under `jax.eval_shape`, or `jit` outside a mesh) gets the
-  same arrays built directly, which traces fewer operations."""
-  if not isinstance(param, jax.core.Tracer):
-    return True
-  try:
-    mesh = jax.typeof(param).sharding.mesh
-  except (AttributeError, TypeError):  # a jax whose types carry no sharding
-    return False
-  return not getattr(mesh, 'empty', True)
-
-
 # ------------------------------------------------------------------------------ the maps
 
 
@@ -310,8 +295,10 @@ class Blockwise(StateCodec):
     placed = _blocks.explicit_spec(param)
     if placed is not None:  # an Explicit mesh: blocks that straddle shards raise here
       codec.specs(placed.entries, codec.shape, placed.mesh, path)
-    if not _inherits_sharding(param):
-      return Coded(codec._packed_zeros(), jnp.zeros(codec._scales_shape(extents), jnp.float32))
+    if not _blocks.inherits_sharding(param):
+      codes = _blocks.packed_constant(codec.shape, codec._pack_axis(), codec.bits,
+                                      codec._code_of_zero())
+      return Coded(codes, jnp.zeros(codec._scales_shape(extents), jnp.float32))
     # Built from the parameter, so that the state is placed as it is, axis by axis.
     zeros = jnp.zeros_like(param, dtype=jnp.float32)
     scales = _blocks.reshape(zeros, _blocks.split_shape(codec.shape, extents),
@@ -319,24 +306,6 @@ class Blockwise(StateCodec):
     scales = scales.sum(axis=tuple(range(1, 2 * len(extents), 2)))
     codes = jnp.full_like(param, codec._code_of_zero(), dtype=jnp.uint8)
     return Coded(_blocks.pack_codes(codes, codec._pack_axis(), codec.bits), scales)
-
-  def _packed_zeros(self) -> jax.Array:
-    """The stored codes of an all-zero leaf. Every code is the same, so where whole
-    groups fill the packed axis each packed row repeats one group's bytes: one
-    broadcast of a constant row, rather than packing a full array while tracing."""
-    code, axis = self._code_of_zero(), self._pack_axis()
-    if axis is None or self.bits == 8:
-      return jnp.full(self.shape, code, jnp.uint8)
-    n, group = self.shape[axis], _blocks.pack_group(self.bits)
-    if n % group:  # a padded last group: pack it as it is stored
-      return _blocks.pack_codes(jnp.full(self.shape, code, jnp.uint8), axis, self.bits)
-    # Whole groups: `bits / 8` bytes per code along the packed axis.
-    packed = self.shape[:axis] + (n * self.bits // 8,) + self.shape[axis + 1:]
-    if self.bits == 4:
-      return jnp.full(packed, code | code << 4, jnp.uint8)
-    planes = np.asarray([0xFF if code >> k & 1 else 0 for k in range(self.bits)], np.uint8)
-    row = np.tile(planes, n // group).reshape((-1,) + (1,) * (len(self.shape) - axis - 1))
-    return jnp.broadcast_to(row, packed)
 
   @property
   def needs_seed(self) -> bool:

@@ -29,9 +29,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from skewadam_jax.reports import trace as _trace
+from skewadam_jax.structure import boxes as _boxes
 
 MANIFEST = 'integrity.sha256.json'
 DESCRIPTION = 'skewadam_state.json'
@@ -100,9 +102,6 @@ def describe_state(tx: Any, params: Any) -> dict[str, Any]:
 
 
 def _leaves(params: Any) -> list[Any]:
-  import jax
-
-  from skewadam_jax.structure import boxes as _boxes
   return jax.tree.leaves(_boxes.unbox(params))
 
 

@@ -18,7 +18,7 @@ import contextvars
 import functools
 import inspect
 import warnings
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 _F = TypeVar('_F', bound=Callable[..., Any])
 _NO_POLICY = object()  # `reported_once` without a policy: the caller's is kept
@@ -28,39 +28,25 @@ _NO_POLICY = object()  # `reported_once` without a policy: the caller's is kept
 _INTERNAL = frozenset({'skewadam_jax', 'jax', 'jaxlib', 'optax', 'flax', 'equinox', 'chex',
                        'contextlib', 'functools'})
 
-# The presets' public names, to print the user's policy as they wrote it.
-_PRESETS = ('PUBLISHED_TIERS', 'ADAM_EPS_TIERS', 'ADAM_ROUTER_TIERS', 'MUON_TIERS',
-            'MUON_CODED_TIERS')
 # What the rule of a line is, for the fix's last paragraph.
 _RULES = ("the rule its line above gives (a ('<pattern>', '<tier>') rule of "
           'sj.make_labeler, or a batch-axes rule of sj.moe_batch_axes)')
 
 
-def tiers_argument(tiers: Any) -> str:
-  """`tiers=...` as the user's own call has it: a preset by its public name (`tiers=
-  sj.MUON_CODED_TIERS`), `tiers=<your tiers>` for a policy of their own, nothing for the
-  default (None, or `PUBLISHED_TIERS` itself)."""
-  from skewadam_jax.transforms import presets  # noqa: PLC0415  (presets import structure)
-  if tiers is None:
-    return ''
-  for name in _PRESETS:
-    if tiers is getattr(presets, name):
-      return '' if name == 'PUBLISHED_TIERS' else f'tiers=sj.{name}, '
-  for name in _PRESETS:  # a copy of a preset (dict(sj.MUON_TIERS)) is that preset
-    try:
-      if dict(tiers) == dict(getattr(presets, name)):
-        return '' if name == 'PUBLISHED_TIERS' else f'tiers=sj.{name}, '
-    except (TypeError, ValueError):
-      break
-  return 'tiers=<your tiers>, '
+class Policy(NamedTuple):
+  """The user's `tiers` argument, as the fix prints it (`transforms.presets.policy_of`
+  renders it: this layer does not know the presets)."""
+  argument: str  # 'tiers=sj.MUON_CODED_TIERS, ', 'tiers=<your tiers>, ' or '' (default)
+  hidden: bool  # whether the policy has a 'hidden' tier (the fix's labeler then keeps it)
 
 
-def fix(policy: Any = None, known: bool = True) -> str:
+def fix(policy: Optional[Policy] = None) -> str:
   """The fix the warning prints, as code that keeps the user's `policy` (their `tiers`
-  argument; `known=False`: the call that labels is not a `skewadam`'s, whose tiers are
-  then unknown) and names the rule it refers to."""
-  tiers = tiers_argument(policy) if known else ''
-  hidden = known and policy is not None and 'hidden' in policy
+  argument; None: the call that labels is not a `skewadam`'s, whose tiers are then
+  unknown) and names the rule it refers to."""
+  known = policy is not None
+  tiers = policy.argument if known else ''
+  hidden = known and policy.hidden
   labeler = "sj.make_labeler([('<pattern>', '<tier>')])"
   rules = f'lambda p: sj.hidden_param_labels(p, {labeler})' if hidden else labeler
   unknown = ('' if known else ' (add your own tiers=..., if your optimizer has them: '
@@ -145,7 +131,7 @@ def silenced() -> Iterator[None]:
 
 def reported_once(fn: _F, policy: Any = _NO_POLICY) -> _F:
   """`fn` within `one_warning`: one warning per call, however often it labels; with
-  `policy` (a `skewadam`'s `tiers` argument), its fix keeps those tiers."""
+  `policy` (a `skewadam`'s `tiers` argument as a `Policy`), its fix keeps those tiers."""
 
   @functools.wraps(fn)
   def call(*args: Any, **kwargs: Any) -> Any:
@@ -211,7 +197,7 @@ def _warn(lines: list[str]) -> None:
   module = frame.f_globals.get('__name__', '') if frame is not None else ''
   lineno = frame.f_lineno if frame is not None else 0
   policy = _POLICY.get()
-  tail = fix(policy[0] if policy else None, known=policy is not None)
+  tail = fix(policy[0] if policy else None)
 
   def message_of(shown: list[str]) -> str:
     return ('skewadam_jax labels: names and shapes leave these parameters labelled by a '

@@ -134,8 +134,10 @@ def skewadam(
   """
   _checks.check_learning_rate(learning_rate)
   _checks.check_non_negative('weight_decay', weight_decay, schedule=True)
-  policy = tiers  # as the user wrote it: the fix an `UnsureLabelWarning` prints keeps it
-  tiers = _presets.check_tiers(tiers)
+  tiers_given = _presets.check_tiers(tiers)
+  # As the user wrote it: the fix an `UnsureLabelWarning` prints keeps it.
+  policy = _presets.policy_of(tiers)
+  tiers = tiers_given
   if isinstance(param_labels, _traced.Structure):
     if batch_axes is None:
       batch_axes = param_labels.batch_axes

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Mapping, NoReturn
 from skewadam_jax.estimators import codec as _codec
 from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.estimators import orthogonal as _orthogonal
+from skewadam_jax.structure import warning as _warning
 
 from skewadam_jax.transforms.tier import Tier
 
@@ -233,3 +234,36 @@ def check_tiers(tiers: Any) -> dict[str, Tier]:
       raise TypeError(f'`tiers[{name!r}]` must be a skewadam_jax.Tier, got '
                       f'{type(tier).__name__}.')
   return dict(tiers)
+
+
+# The presets' public names, to print a user's policy as they wrote it.
+_PRESETS = ('PUBLISHED_TIERS', 'ADAM_EPS_TIERS', 'ADAM_ROUTER_TIERS', 'MUON_TIERS',
+            'MUON_CODED_TIERS')
+
+
+def tiers_argument(tiers: Any) -> str:
+  """`tiers=...` as the user's own call has it: a preset by its public name (`tiers=
+  sj.MUON_CODED_TIERS, `), `tiers=<your tiers>, ` for a policy of their own, nothing for
+  the default (None, or `PUBLISHED_TIERS` itself or a copy of it)."""
+  if tiers is None:
+    return ''
+  presets = {name: globals()[name] for name in _PRESETS}
+  # The preset itself, else a copy of one (dict(sj.MUON_TIERS) is that preset).
+  name = next((name for name, preset in presets.items() if tiers is preset), None)
+  if name is None:
+    try:
+      name = next((name for name, preset in presets.items() if dict(tiers) == preset), None)
+    except (TypeError, ValueError):
+      name = None
+  if name is None:
+    return 'tiers=<your tiers>, '
+  return '' if name == 'PUBLISHED_TIERS' else f'tiers=sj.{name}, '
+
+
+def policy_of(tiers: Any) -> _warning.Policy:
+  """The user's `tiers` argument as the `UnsureLabelWarning`'s fix prints it."""
+  try:
+    hidden = tiers is not None and 'hidden' in tiers
+  except TypeError:
+    hidden = False
+  return _warning.Policy(tiers_argument(tiers), hidden)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 from skewadam_jax.core.lazy import jex_core
 import numpy as np
 
+from skewadam_jax.structure.traced import dependence as _dependence
 from skewadam_jax.structure.traced import info as _info
 from skewadam_jax.structure.traced import masks as _masks
 from skewadam_jax.structure.traced import units as _units
@@ -280,32 +281,5 @@ class Analysis:
     return self.depend(eqn, ins, outs)
 
   def depend(self, eqn: Any, ins: list[Info], outs: list[Info]) -> list[Info]:
-    """Value dependences: every output depends on every input.
-
-    `free` leaves the logits of a dispatching decision behind: where a contraction or
-    an elementwise op makes values carrying a router's expert axis (`self.cut`), the
-    operands none of whose axes line up with that axis (the hidden states and their
-    scales, contracted into the logits) stop there. A rule that sets an output's `piece`
-    has said which parameter pieces it is computed from; otherwise it is its operands'.
-    """
-    deps = frozenset().union(*(x.deps for x in ins))
-    free = frozenset().union(*(x.free for x in ins))
-    piece = frozenset().union(*(_info.pieces(x) for x in ins))
-    last = frozenset().union(*(x.last or _info.EMPTY for x in ins))
-    if self.cut and (eqn.primitive.name == 'dot_general' or (
-        len(outs) == 1 and _info.elementwise_shapes(eqn))):
-      hot = [bool(self.cut.intersection(t)) for t in outs[0].axes]
-      if any(hot):
-        free = frozenset().union(*(x.free for x, v in zip(ins, eqn.invars)
-                                   if _masks.aligned(eqn, x, v, hot, self.cut)))
-    mask, unmask, open_ = _masks.masks(eqn, ins, self.masked)
-    if self.mapped:
-      # An output axis joins the operand axes a rule aligned (elementwise, batch
-      # dimensions): those aligned with a mapped axis run along it too.
-      for o, v in zip(outs, eqn.outvars):
-        for tokens, n in zip(o.axes, _info.shape_of(v)):
-          if self.is_mapped(tokens):
-            self.map_axes(tokens, n)
-    return [o._replace(deps=deps, free=free, mask=mask, unmask=unmask, open=open_,
-                       piece=piece if o.piece is None else o.piece,
-                       last=last if o.last is None else o.last) for o in outs]
+    """Value dependences: every output depends on every input (`dependence.depend`)."""
+    return _dependence.depend(self, eqn, ins, outs)

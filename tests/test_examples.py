@@ -163,12 +163,21 @@ def test_checkpointing_demo_restores_bitwise(modules, tmp_path, capsys):
 
 
 def test_checkpointing_helpers_keep_their_signatures(modules):
+  # Code written against the helpers keeps working: the leading parameters stay as they
+  # were, and whatever was added since is optional.
   import inspect
   ckpt = modules['examples.checkpointing']
-  assert list(inspect.signature(ckpt.save_checkpoint).parameters) == ['path', 'tree']
-  assert list(inspect.signature(ckpt.abstract_target).parameters) == [
-      'tx', 'abstract_params', 'param_shardings', 'mesh']
-  assert list(inspect.signature(ckpt.restore_checkpoint).parameters) == ['path', 'target']
+  for fn, leading in ((ckpt.save_checkpoint, ['path', 'tree']),
+                      (ckpt.abstract_target,
+                       ['tx', 'abstract_params', 'param_shardings', 'mesh']),
+                      (ckpt.restore_checkpoint, ['path', 'target'])):
+    params = list(inspect.signature(fn).parameters.values())
+    assert [p.name for p in params[:len(leading)]] == leading, fn.__name__
+    for p in params[len(leading):]:
+      assert p.default is not inspect.Parameter.empty, (fn.__name__, p.name)
+  # The description the sealed checkpoint is compared with is what was added.
+  assert 'description' in inspect.signature(ckpt.save_checkpoint).parameters
+  assert 'description' in inspect.signature(ckpt.restore_checkpoint).parameters
 
 
 def test_checkpointing_script_prints_its_help():

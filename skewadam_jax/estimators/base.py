@@ -18,11 +18,9 @@ statistics (an array, or any pytree of arrays), and fields it does not use hold
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import math
-import threading
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,9 +63,15 @@ class SecondMoment(abc.ABC):
 
   Attributes:
     name: the estimator's name in `label_table` and reports.
+    per_shape: whether `init` and `update` depend on the leaf's shapes and this
+      object's (hashable) options only, never on `path` (which then only names the leaf
+      in errors). The tier then traces the update once per shape and caches the
+      statistics' shapes per shape, as for the built-in `Exact`, `Factored` and
+      `Grouped`; otherwise it traces `update` once per leaf.
   """
 
   name: str = 'second moment'
+  per_shape: bool = False
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> SecondMoment:
@@ -91,6 +95,19 @@ class SecondMoment(abc.ABC):
   def update(self, g: jax.Array, stats: Stats, x: jax.Array, step: Step
              ) -> tuple[jax.Array, Stats]:
     """The float32 update `u` of one leaf and its new statistics."""
+
+  def shared(self, x: jax.Array, step: Step) -> Optional[Shared]:
+    """`update` split around work that leaves of one group do in one call, or None.
+
+    A stateless estimator (`init` returns `{}`) whose update is `finish(f(operand))` for
+    a per-item function `f` batched on the operand's axis 0 (e.g. `Orthogonal`'s
+    Newton-Schulz iteration of each matrix) may return `Shared(operand, group, finish)`:
+    the tier then runs `group.run` once for the operands of every leaf whose `group`
+    is equal (and of the smaller groups it `hosts`), instead of once per leaf. The
+    default, None, runs `update` for the leaf alone.
+    """
+    del x, step
+    return None
 
   def specs(self, spec: Spec, shape: tuple[int, ...], mesh: Optional[Mesh], path: str
             ) -> Mapping[str, Any]:
@@ -206,48 +223,39 @@ def clipped(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], layout: L
   return u
 
 
-# `state_shardings` asks each statistic's estimator for its spec. While it traces a
-# transform's `init` (under `jax.eval_shape`), every statistic created by an estimator
-# is recorded with how to derive its spec; the tracer objects identify the leaves.
-class _Recorder(threading.local):
-  entries: Optional[dict[int, tuple[Any, Callable[[Spec, Optional[Mesh]], Any]]]] = None
+class SharedGroup(abc.ABC):
+  """Who may share a call of `SecondMoment.shared` work: equal groups (hashable, e.g. a
+  frozen dataclass of the items' shape and the options that fix the computation) share
+  one `run`.
 
-
-_RECORDER = _Recorder()
-
-
-def record_specs(path: str, tree: Any, spec_fn: Callable[[Spec, Optional[Mesh]], Any]
-                 ) -> None:
-  """Notes that the leaves of `tree` are statistics of parameter `path`.
-
-  `spec_fn(param_spec, mesh)` returns the PartitionSpecs of `tree` (same structure).
-  Does nothing unless `recording_specs` is active.
+  Attributes:
+    item_size: elements per item (e.g. `R * C` of a matrix): a host group is never
+      smaller than the groups it takes in.
   """
-  entries = _RECORDER.entries
-  if entries is None:
-    return
-  leaves = jax.tree.leaves(tree)
-  for i, leaf in enumerate(leaves):
-    entries[id(leaf)] = (leaf, path, i, spec_fn)
+
+  item_size: int = 1
+
+  def hosts(self, other: SharedGroup) -> bool:
+    """Whether this group's call may take `other`'s items too (e.g. zero-padded to this
+    group's item shape, giving the same result per item). Default: only equal groups."""
+    return other == self
+
+  @abc.abstractmethod
+  def run(self, operands: Sequence[jax.Array], key: jax.Array) -> list[jax.Array]:
+    """The per-item work of every operand (each `[n_i, ...]`, of this group or one it
+    hosts), in one call; `key`: a runtime scalar (the step count) that keeps per-leaf
+    offsets out of the compiled constants. Returns one result per operand."""
+
+  def run_one(self, operand: jax.Array) -> jax.Array:
+    """The work of one operand on its own (a `Shared` with `alone`)."""
+    return self.run([operand], jnp.zeros([], jnp.float32))[0]
 
 
-@contextlib.contextmanager
-def recording_specs() -> Iterator[dict[int, Any]]:
-  """Within the context, `record_specs` collects `id(leaf) -> (leaf, path, index, fn)`."""
-  previous = _RECORDER.entries
-  _RECORDER.entries = {}
-  try:
-    yield _RECORDER.entries
-  finally:
-    _RECORDER.entries = previous
-
-
-def record_leaf(path: str, estimator: SecondMoment, shape: tuple[int, ...], mu: Any,
-                stats: Stats, mu_specs: Optional[Callable[[Spec, Optional[Mesh]], Any]] = None
-                ) -> None:
-  """Records the specs of a leaf's momentum (the parameter's, or `mu_specs(spec, mesh)`
-  for a momentum stored as a pytree by a codec) and of its statistics."""
-  record_specs(path, mu, mu_specs or (lambda spec, mesh: PartitionSpec(*spec)))
-  for key, tree in stats.items():
-    record_specs(path, tree, lambda spec, mesh, key=key: estimator.specs(spec, shape, mesh,
-                                                                          path)[key])
+class Shared(NamedTuple):
+  """One leaf's update, waiting for work that it shares with other leaves
+  (`SecondMoment.shared`)."""
+  operand: jax.Array  # [n, ...]: the leaf's items, batched on axis 0
+  group: SharedGroup  # equal groups (or hosted ones) share one `group.run`
+  finish: Callable[[jax.Array], jax.Array]  # `run`'s result for `operand` -> the update u
+  # Run on its own (`group.run_one`), not shared: e.g. items sharded where they lie.
+  alone: bool = False

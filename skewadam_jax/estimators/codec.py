@@ -86,9 +86,13 @@ class StateCodec(abc.ABC):
 
   Attributes:
     name: the codec's name in reports.
+    per_shape: whether `init` depends on the leaf's shape and this object's (hashable)
+      options only, never on `path` (which then only names the leaf in errors): the
+      tier caches the coded momentum's shapes per shape, as for `Blockwise`.
   """
 
   name: str = 'codec'
+  per_shape: bool = False
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> Optional[StateCodec]:
@@ -205,6 +209,7 @@ class Blockwise(StateCodec):
   min_size: int = 0
   shape: Optional[tuple[int, ...]] = None
   batch_axes: Optional[tuple[int, ...]] = None
+  per_shape = True  # the path only names the leaf in errors
 
   def __post_init__(self):
     _checks.check_positive_int('bits', self.bits)

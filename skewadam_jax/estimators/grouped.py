@@ -111,6 +111,7 @@ class Grouped(_second_moment.SecondMoment):
   axis_arg: str = dataclasses.field(default='group_axis', compare=False)
   batch_axes: Optional[tuple[int, ...]] = None  # per leaf (`for_leaf`); None: default
   name = 'grouped'
+  per_shape = True  # the path only names the leaf in errors
 
   def __post_init__(self):
     _checks.check_positive_int('group_size', self.group_size)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +171,50 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   return [jnp.swapaxes(b, 1, 2) if t else b for b, t in zip(back, tall)]
 
 
+# A shared iteration holds its float32 temporaries for every matrix of a chunk at
+# once, where leaf-by-leaf calls each held their own: chunks hold up to the largest leaf
+# of the shape (and at least this many elements), so the many small matrices of a model
+# share one chunk while the peak stays that of its largest leaf.
+MIN_SHARED_ELEMENTS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class NewtonSchulzGroup(_second_moment.SharedGroup):
+  """The leaves whose matrices one batched Newton-Schulz call orthogonalises
+  (`Orthogonal.shared`): matrices of one wide `[R, C]` (R <= C) and one iteration.
+
+  Attributes:
+    wide: the matrices' `[R, C]`, turned wide (`wide`).
+    iteration: what fixes the iteration besides the shape: `(ns_coeffs, ns_steps, eps)`.
+  """
+  wide: tuple[int, int]
+  iteration: tuple[Any, ...]
+
+  def __str__(self) -> str:
+    return str((self.wide, self.iteration))
+
+  @property
+  def item_size(self) -> int:  # type: ignore[override]
+    return math.prod(self.wide)
+
+  def hosts(self, other: _second_moment.SharedGroup) -> bool:
+    """Smaller matrices of the same iteration, zero-padded: the same result per matrix."""
+    return (isinstance(other, NewtonSchulzGroup) and other.iteration == self.iteration
+            and self.wide[0] >= other.wide[0] and self.wide[1] >= other.wide[1])
+
+  def run(self, operands: Sequence[jax.Array], key: jax.Array) -> list[jax.Array]:
+    """One `newton_schulz_shared` in chunks of at most as many elements as the largest
+    leaf (or `MIN_SHARED_ELEMENTS`)."""
+    matrix = math.prod(padded_shape([m.shape for m in operands]))
+    budget = max(MIN_SHARED_ELEMENTS, max(m.shape[0] * matrix for m in operands))
+    coeffs, steps, eps = self.iteration
+    return newton_schulz_shared(list(operands), coeffs, steps, eps,
+                                max_batch=max(1, budget // matrix), key=key)
+
+  def run_one(self, operand: jax.Array) -> jax.Array:
+    return newton_schulz(operand, *self.iteration)
+
+
 @dataclasses.dataclass(frozen=True)
 class Orthogonal(_second_moment.SecondMoment):
   """No second moment: each matrix's update is orthogonalised (Muon), RMS-matched.
@@ -248,6 +292,17 @@ class Orthogonal(_second_moment.SecondMoment):
     """What fixes the Newton-Schulz iteration besides the matrices' shape: leaves whose
     prepared matrices have the same shape and `iteration` can share one batched call."""
     return (self.ns_coeffs, self.ns_steps, self.eps)
+
+  def shared(self, x: jax.Array, step: Step) -> Optional[_second_moment.Shared]:
+    """The Newton-Schulz iteration of `x`'s matrices, shared with the other leaves of
+    its `NewtonSchulzGroup`; None for a subclass that overrides `update` (it runs whole).
+    Matrices sharded over their batch axes are iterated where they lie (`alone`)."""
+    if type(self).update is not Orthogonal.update:
+      return None
+    mats, finish = self.prepare(x, step)
+    group = NewtonSchulzGroup(wide(mats.shape), self.iteration)
+    return _second_moment.Shared(mats, group, finish,
+                                 alone=_blocks.explicit_spec(mats) is not None)
 
   def prepare(self, x: jax.Array, step: Step
               ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:

@@ -90,7 +90,7 @@ def describe_state(tx: Any, params: Any) -> dict[str, Any]:
     the estimator and the codec as `{'type': class name, option: value, ...}` (the
     codec None for a momentum stored as an array).
   """
-  trace = _trace.trace_init(tx, params, tiers=True)
+  trace = _trace.trace_init(tx, params)
   shapes = dict(zip(trace.paths, (tuple(getattr(p, 'shape', ())) for p in
                                   _leaves(params))))
   out = {}

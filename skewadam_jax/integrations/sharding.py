@@ -13,9 +13,10 @@ shardings must be given, and a state leaf does not always have its parameter's r
 * step counts, hyperparameters and anything not following the params: replicated.
 
 Each statistic's spec comes from the estimator that made it (`SecondMoment.specs`,
-a spec or a pytree of specs): while `state_shardings` traces the optimizer's `init`
-(`reports.trace.trace_init`), every estimator records which state leaves are its statistics,
-of which parameter. State of other optax transforms (AdamW's `mu`/`nu`, Adafactor's
+a spec or a pytree of specs; a coded momentum's from its codec): `state_shardings`
+traces the optimizer's `init` and reads the plan of each transform that plans its
+leaves (`reports.trace.trace_init`), which says which state leaves are the statistics
+of which parameter, made by which estimator. State of other optax transforms (AdamW's `mu`/`nu`, Adafactor's
 factors) is matched to its parameter by the state walk (`reports.walk`), its spec by shape.
 
 `optax.tree_utils.tree_map_params` hands every params-shaped subtree the parameter's
@@ -104,13 +105,13 @@ def _replicated(leaf: Any) -> PartitionSpec:
   return PartitionSpec()
 
 
-def _recorded_spec(param_spec: Any, shape: tuple[int, ...], recorded: tuple[int, Any],
-                   mesh: Optional[Mesh]) -> PartitionSpec:
-  """The spec that a statistic's estimator gives it (`SecondMoment.specs`)."""
-  index, spec_fn = recorded
+def _planned_spec(param_spec: Any, shape: tuple[int, ...], planned: _trace.Planned,
+                 mesh: Optional[Mesh]) -> PartitionSpec:
+  """The spec its plan gives a state leaf (`SecondMoment.specs`, `StateCodec.specs`)."""
   padded = _padded(param_spec, len(shape))
+  specs = planned.plan.specs(planned.index, planned.field, padded, mesh)
   # Specs are leaves, and so is None (replicated) in a pytree of statistics' specs.
-  known = jax.tree.leaves(spec_fn(padded, mesh), is_leaf=_is_spec)[index]
+  known = jax.tree.leaves(specs, is_leaf=_is_spec)[planned.item]
   if known is None:
     return PartitionSpec()
   if tuple(known) == padded:  # the parameter's own spec, as the user wrote it
@@ -241,8 +242,8 @@ def _shardings_and_state(tx: optax.GradientTransformation, params: Any, param_sh
   out = []
   for leaf in trace.leaves:
     i = leaf.param
-    if leaf.recorded is not None:  # a statistic: its estimator knows its spec
-      out.append(_recorded_spec(specs[i], shapes[i], leaf.recorded, mesh))
+    if leaf.planned is not None:  # planned: its estimator or codec knows its spec
+      out.append(_planned_spec(specs[i], shapes[i], leaf.planned, mesh))
     elif i is not None:  # another transform's leaf that follows a parameter: by shape
       out.append(_leaf_spec(trace.paths[i], shapes[i], specs[i], leaf.leaf, mesh))
     else:  # step counts, hyperparameters

@@ -277,8 +277,8 @@ def label_table(tx: Any, params: Any) -> LabelTable:
     [('moe/experts/w1', 'experts', 'factored', 384), ('moe/router', 'router', 'exact', 128)]
   """
   _checks.check_transform_first(tx, params, 'sj.label_table(tx, params)')
-  trace = _trace.trace_init(tx, params, tiers=True)
-  if not trace.tiers and not trace.has_skewadam:
+  trace = _trace.trace_init(tx, params, explain=True)
+  if not trace.tiers and not trace.has_tiers:
     raise ValueError('`tx` contains no sj.skewadam: `sj.label_table(tx, params)` shows '
                      'what a skewadam gives each parameter. For any optimizer\'s state '
                      'per tier, call `sj.memory_report(tx, params)`.')
@@ -295,6 +295,6 @@ def label_table(tx: Any, params: Any) -> LabelTable:
         tier=got.tier if got else '-',
         second_moment=got.estimator.name if got and got.estimator else '-',
         param_bytes=leaf_bytes(p), state_bytes=state[i],
-        note=got.note if got else 'not updated by the skewadam in `tx`',
+        note=got.reason if got else 'not updated by the skewadam in `tx`',
         batch_axes=got.batch_axes if got else ()))
   return LabelTable(tuple(rows))

@@ -33,11 +33,8 @@ and `update` (the pure arrays that `nnx.Optimizer` passes) get the same axes.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
-import jax
 
 from skewadam_jax.structure import boxes as _flax
 from skewadam_jax.structure import labels as _labels
@@ -46,7 +43,6 @@ from skewadam_jax.structure import rules as _rules
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import stacks as _stacks
 from skewadam_jax.structure import warning as _warning
-from skewadam_jax.core import tree as _tree
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
 
@@ -99,28 +95,8 @@ def _structure(leaf: _paths.Leaf, banked: bool) -> set[int]:
   return axes
 
 
-# The labels `skewadam` resolved for the params its `batch_axes` function is called on,
-# so that `moe_batch_axes(p)` inside that function sees the user's `param_labels`.
-_LABELS_IN_USE: contextvars.ContextVar[Optional[tuple[Any, Any]]] = contextvars.ContextVar(
-    'skewadam_jax_labels_in_use', default=None)
-
-
-@contextlib.contextmanager
-def labels_in_use(params: Any, labels: Any) -> Iterator[None]:
-  """Within: `moe_batch_axes(params)` (no `param_labels`) uses `labels` for `params`."""
-  token = _LABELS_IN_USE.set((jax.tree_util.tree_structure(params), labels))
-  try:
-    yield
-  finally:
-    _LABELS_IN_USE.reset(token)
-
-
 def _labels_for(params: Any, labels: Any) -> tuple[Any, bool]:
   """The full label tree of `params`, and whether a `Labeler` reported on it already."""
-  if labels is None:
-    in_use = _LABELS_IN_USE.get()
-    if in_use is not None and in_use[0] == jax.tree_util.tree_structure(params):
-      return _labels.broadcast_labels(params, in_use[1]), True
   reported = labels is None or labels is _labels.moe_param_labels or isinstance(
       labels, _labels.Labeler)
   return _labels.resolve_labels(params, labels), reported
@@ -212,10 +188,10 @@ def moe_batch_axes(params: Any, param_labels: Any = None, *,
 
   Args:
     params: a pytree of arrays, `jax.ShapeDtypeStruct`s or Flax variables.
-    param_labels: the tiers (a label tree or labeler); default `moe_param_labels`, or,
-      inside the `batch_axes` function given to `skewadam`, the labels `skewadam`
-      uses (so `batch_axes=lambda p: sj.moe_batch_axes(p, rules=...)` agrees with its
-      `param_labels`).
+    param_labels: the tiers (a label tree or labeler); default `moe_param_labels`. A
+      `batch_axes` function given to `skewadam` that takes `param_labels` gets the
+      labels `skewadam` uses (`batch_axes=functools.partial(sj.moe_batch_axes,
+      rules=...)`, or `lambda p, param_labels: sj.moe_batch_axes(p, param_labels, ...)`).
     rules: ordered `(pattern, axes)` pairs checked first, e.g.
       `[('decoder/layers/**', (1,))]`; negative axes count from the end.
     use_axis_names: let logical axis names decide the leaves that carry them.
@@ -238,19 +214,3 @@ def batch_axes_tree(params: Any, labels: Any, *, labels_reported: bool) -> Any:
   """`moe_batch_axes(params, labels)`, saying whether the labeler reported already."""
   leaves, treedef = decide(params, labels, labels_reported=labels_reported)
   return treedef.unflatten([tuple(sorted(x.axes)) for x in leaves])
-
-
-def batch_axes_and_notes(params: Any, labels: Any, batch_axes: Any = None
-                         ) -> tuple[list[tuple[int, ...]], list[str]]:
-  """Each leaf's batch axes (flattening order) and how they were decided."""
-  if batch_axes is None:
-    leaves, _ = decide(params, labels)
-    return [tuple(sorted(x.axes)) for x in leaves], [x.source for x in leaves]
-  with labels_in_use(params, labels):
-    got = _paths.leaf_batch_axes(batch_axes, params)
-  shapes = [_tree.leaf_shape(x) for x in jax.tree_util.tree_leaves(params)]
-  out = []
-  for axes, shape in zip(got, shapes):
-    out.append(_second_moment.default_batch_axes(len(shape)) if axes is None else
-               tuple(sorted(a % max(len(shape), 1) for a in axes)))
-  return out, ['given'] * len(out)

@@ -21,8 +21,10 @@ import optax
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.estimators import pooling as _pooling
+from skewadam_jax.core import tree as _tree
+from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import per_leaf as _per_leaf
-from skewadam_jax.estimators import base as _second_moment
+from skewadam_jax.transforms import plan as _plan
 
 class GroupedSecondMomentState(NamedTuple):
   """State of `scale_by_grouped_second_moment`."""
@@ -113,7 +115,6 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
   def init_leaf(path: str, p: jax.Array) -> dict[str, Any]:
     mu = jnp.zeros_like(p, dtype=mu_dtype or p.dtype)
     nu = estimator.init(p, path, dtype=nu_dtype or p.dtype)['v']
-    _second_moment.record_leaf(path, estimator, tuple(p.shape), mu, {'v': nu})
     return {'mu': mu, 'nu': nu}
 
   def init_fn(params):
@@ -123,6 +124,23 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
             for path, p in zip(leaves.paths, leaves.arrays)]
     return GroupedSecondMomentState(_per_leaf.zero_count(), **leaves.fields(
         rows, ('mu', 'nu'), specs_of(leaves)))
+
+  def plan_fn(tree: Any, explain: bool) -> _plan.Plan:
+    """Every floating leaf keeps `mu` and the pooled `nu` (`GroupedSecondMomentState`)."""
+    del explain
+    leaves = []
+    for path, x in _paths.flatten_with_paths(tree)[0]:
+      p = _tree.abstract_leaf(x)
+      shape = tuple(p.shape)
+      if not _per_leaf.trains(p):
+        leaves.append(_plan.LeafPlan(path, 'adampm', _plan.NO_STATE, None, None, (), shape,
+                                     {}, ''))
+        continue
+      state = jax.eval_shape(lambda p=p, path=path: init_leaf(
+          path, jnp.zeros(p.shape, p.dtype)))
+      leaves.append(_plan.LeafPlan(path, 'adampm', _plan.STEPPED, estimator, None, (),
+                                   shape, state, ''))
+    return _plan.Plan(tuple(leaves), {'nu': 'v'})
 
   def update_leaf(path: str, g: jax.Array, p: Any, row: dict[str, Any], bc1: jax.Array,
                   bc2: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
@@ -160,4 +178,6 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
     return leaves.unflatten([u for u, _ in out]), GroupedSecondMomentState(
         count, **leaves.fields([new for _, new in out], ('mu', 'nu')))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      _plan.with_planner(
+          init_fn, _plan.Planner(plan_fn, GroupedSecondMomentState, tiers=False)), update_fn)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
@@ -18,7 +19,8 @@ from skewadam_jax.structure import warning as _warning
 from skewadam_jax.transforms import presets as _presets
 from skewadam_jax.transforms import tier as _tier
 from skewadam_jax.transforms import tiers as _tiered
-from skewadam_jax.transforms import recording as _recording
+from skewadam_jax.transforms import plan as _plan
+from skewadam_jax.structure import paths as _paths
 from skewadam_jax.core import tree as _tree
 
 
@@ -37,6 +39,19 @@ def _chain(where: str, *transforms: optax.GradientTransformation
     return chained.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(chained.init, update_fn)
+
+
+def _given_batch_axes(batch_axes: Callable[..., Any], params: Any, labels: Any) -> Any:
+  """The user's `batch_axes` function on `params`; one that takes a `param_labels`
+  argument (`sj.moe_batch_axes`, a `functools.partial` of it) gets the labels in use."""
+  try:
+    parameters = inspect.signature(batch_axes).parameters
+  except (TypeError, ValueError):  # no signature to read (a builtin): params only
+    return batch_axes(params)
+  if 'param_labels' in parameters or any(
+      p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    return batch_axes(params, param_labels=labels)
+  return batch_axes(params)
 
 
 def tier_labeler(tiers: Mapping[str, _tier.Tier], param_labels: Any = None
@@ -148,30 +163,26 @@ def skewadam(
   labeler = tier_labeler(tiers, param_labels)
   # The built-in labeler reports unsure subtrees (a stack or a bank?) itself.
   labeler_reports = param_labels is None or isinstance(param_labels, _labels.Labeler)
-  _tiered.scale_by_tiers(tiers, None, b1, b2, eps)  # checks the hyperparameters now
   if batch_axes is not None and not _tree.is_function(batch_axes):
     batch_axes_tree = batch_axes
     batch_axes = lambda params: batch_axes_tree  # noqa: E731
 
-  def tiers_tx(params: Any) -> optax.GradientTransformation:
+  def plan_fn(tree: Any, explain: bool) -> _plan.Plan:
     # Labels and batch axes come from the whole tree (structure sees a router beside its
     # experts, every leaf of a scanned stack).
-    labels = labeler(params)
+    labels = labeler(tree)
     if batch_axes is None:
-      axes = _axes.batch_axes_tree(params, labels, labels_reported=labeler_reports)
+      axes = _axes.batch_axes_tree(tree, labels, labels_reported=labeler_reports)
     else:
-      with _axes.labels_in_use(params, labels):  # moe_batch_axes(p) in it sees them
-        axes = batch_axes(params)
-    _recording.record_tiers(params, tiers, param_labels, labels, axes)  # for the reports
-    # A function, not the label tree: a callable tree (an Equinox module) would be
-    # called as the labeler.
-    return _tiered.scale_by_tiers(tiers, lambda _: labels, b1, b2, eps, batch_axes=axes)
+      axes = _given_batch_axes(batch_axes, tree, labels)
+    reasons = None
+    if explain:  # the labeler's notes; it reported what it is unsure of already
+      with _warning.silenced():
+        _, reasons = _labels.labels_and_notes(tree, param_labels)
+    return _plan.plan_leaves(tiers, tree, jax.tree_util.tree_leaves(labels),
+                             _paths.leaf_batch_axes(axes, tree), reasons)
 
-  def init_fn(params: Any) -> Any:
-    return tiers_tx(params).init(params)
-
-  def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-    return tiers_tx(updates).update(updates, state, params)
+  tiers_tx = _tiered.tiers_transform(tiers, plan_fn, b1, b2, eps, 'sj.scale_by_tiers')
 
   def decay_mask(params: Any) -> Any:
     flags = jax.tree.map(lambda label: tiers[label].apply_weight_decay, labeler(params))
@@ -184,7 +195,7 @@ def skewadam(
 
   chain = _chain(
       'sj.skewadam',
-      optax.GradientTransformation(init_fn, update_fn),
+      tiers_tx,
       optax.add_decayed_weights(weight_decay, decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )

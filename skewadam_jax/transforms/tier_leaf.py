@@ -1,13 +1,13 @@
-"""One leaf under one tier: its estimator and codec, its initial state, its step.
+"""One leaf under one tier: its initial state and its step, as its plan says.
 
-`tiers.scale_by_tiers` runs these per parameter; the reports ask `leaf_estimator` what a
-leaf gets without building state.
+`tiers.scale_by_tiers` runs these per parameter, each with the leaf's `plan.LeafPlan`
+(its estimator, codec, batch axes and abstract state). What an estimator or codec gets
+here it gets through its protocol (`per_shape`, `shared`), never by its type.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
@@ -18,13 +18,10 @@ from skewadam_jax.core import checks as _checks
 from skewadam_jax.core import xla as _xla
 from skewadam_jax.estimators import blocks as _blocks
 from skewadam_jax.estimators import codec as _codec
-from skewadam_jax.estimators import exact as _exact
-from skewadam_jax.estimators import factored as _factored
-from skewadam_jax.estimators import grouped as _grouped
-from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.core import tree as _tree
 
+from skewadam_jax.transforms import plan as _plan
 from skewadam_jax.transforms import step_scalars as _step_scalars
 from skewadam_jax.transforms.tier import Tier
 
@@ -35,8 +32,7 @@ def leaf_estimator(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
                    path: str = 'leaf') -> _second_moment.SecondMoment:
   """The second-moment estimator a leaf of `shape` with `batch_axes` gets under `tier`."""
   shape = tuple(shape)
-  axes = _second_moment.normalise_batch_axes(batch_axes, shape, path)
-  return tier.estimator.for_leaf(shape, axes)
+  return tier.estimator.for_leaf(shape, _plan.normal_axes(batch_axes, shape, path))
 
 
 def leaf_codec(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
@@ -47,27 +43,25 @@ def leaf_codec(shape: tuple[int, ...], tier: Tier, batch_axes: Any = None,
   if tier.mu_codec is None:
     return None
   shape = tuple(shape)
-  axes = _second_moment.normalise_batch_axes(batch_axes, shape, path)
-  return tier.mu_codec.for_leaf(shape, axes)
+  return tier.mu_codec.for_leaf(shape, _plan.normal_axes(batch_axes, shape, path))
 
 
-def init_leaf(tier: Tier, path: str, p: Any, batch_axes: Any = None) -> dict[str, Any]:
-  """A leaf's state under `tier`: its momentum (if the tier keeps one) and statistics,
-  by field name (`FIELDS`); fields the leaf does not keep are absent."""
+def init_leaf(tier: Tier, leaf: _plan.LeafPlan, p: Any) -> dict[str, Any]:
+  """A leaf's state under `tier`, as `leaf` plans it: its momentum (if the tier keeps
+  one) and statistics, by field name (`FIELDS`); fields the leaf does not keep are
+  absent."""
+  path = leaf.path
   p = _tree.as_array(p)  # a Python scalar leaf is a 0-d array, as in optax
   _checks.check_float_leaf(path, p.dtype, 'scale_by_tiered_adam')
-  shape = tuple(p.shape)
-  estimator = leaf_estimator(shape, tier, batch_axes, path)
-  codec = leaf_codec(shape, tier, batch_axes, path)
-  mu_specs = None
+  if leaf.problem is not None and leaf.problem[0] == 'decide':
+    raise leaf.problem[1]
+  estimator, codec = leaf.estimator, leaf.codec
   if codec is not None:  # init refuses a leaf the codec does not fit, naming it
     mu = codec.init(p, path)
-    mu_specs = lambda spec, mesh: codec.specs(spec, shape, mesh, path)  # noqa: E731
   else:
     mu = jnp.zeros_like(p, dtype=tier.mu_dtype) if tier.momentum else None
   stats = dict(estimator.init(p, path))
   _checks.check_estimator_init(estimator, path, stats, _second_moment.STAT_FIELDS)
-  _second_moment.record_leaf(path, estimator, shape, mu, stats, mu_specs)
   return {'mu': mu, **stats} if tier.momentum else stats
 
 
@@ -89,26 +83,6 @@ def as_stored(stored: Any, expected: Any) -> Any:
   return stored  # the shape check names what differs
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str
-                           ) -> Any:
-  return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
-
-
-def _abstract_coded(codec: _codec.StateCodec, shape: tuple[int, ...], path: str) -> Any:
-  """What `codec.init` makes for a parameter of `shape`, as shapes only; cached per
-  shape for `Blockwise` (whose codes do not depend on the path, which only names the
-  leaf in errors), per path for a user codec, not at all for one that is not hashable."""
-  if type(codec) is _codec.Blockwise:
-    try:
-      return _cached_abstract_coded(codec, shape, '')
-    except ValueError:  # raised again below, naming the leaf
-      pass
-  if not _hashable(codec):
-    return jax.eval_shape(lambda: codec.init(jnp.zeros(shape, jnp.float32), path))
-  return _cached_abstract_coded(codec, shape, path)
-
-
 def _hashable(x: Any) -> bool:
   """Whether `x` can key a cache (an `lru_cache`, a jit's static argument)."""
   try:
@@ -118,52 +92,28 @@ def _hashable(x: Any) -> bool:
   return True
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
-                           dtype: Any, path: str) -> dict[str, Any]:
-  return jax.eval_shape(lambda: dict(estimator.init(jnp.zeros(shape, dtype), path)))
-
-
-def abstract_stats(estimator: _second_moment.SecondMoment, shape: tuple[int, ...],
-                   dtype: Any, path: str) -> dict[str, Any]:
-  """The statistics `estimator.init` makes for a parameter of `shape`, as shapes only.
-
-  Cached: a model repeats few shapes. The built-in estimators' statistics do not depend
-  on the path (it only names the leaf in errors), so they are cached per shape; a user
-  estimator's per path, or not at all if it is not hashable.
-  """
-  dtype = jnp.dtype(dtype)
-  key = '' if type(estimator) in (_exact.Exact, _factored.Factored, _grouped.Grouped) else path
-  try:
-    return _cached_abstract_stats(estimator, shape, dtype, key)
-  except (TypeError, ValueError):  # unhashable, or `init` raised: uncached, with the path
-    pass
-  return jax.eval_shape(lambda: dict(estimator.init(jnp.zeros(shape, dtype), path)))
-
-
-def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str, Any],
-               batch_axes: Any
-               ) -> tuple[_second_moment.SecondMoment, dict[str, Any]]:
+def check_grad(tier: Tier, leaf: _plan.LeafPlan, g: jax.Array, param: Any,
+               row: Mapping[str, Any]) -> dict[str, Any]:
   """Raises unless gradient `g` fits its leaf's state (and parameter, if given); else
-  returns the leaf's estimator and the statistics it keeps, which the update uses.
+  returns the state the update uses: the statistics it keeps (and a coded momentum).
 
-  Shapes are static, so the checks run once, at trace time; without them a gradient
-  of another shape (e.g. [256, 1] for a [256, 64] parameter) would broadcast against
-  the state into a full-size update. The gradient is checked against its parameter
-  (if `params` are given), its momentum (if kept) and the statistics its estimator
-  makes for a parameter of the gradient's shape.
+  `leaf` is the plan of the gradient (`plan.plan_leaves` of the updates): the
+  estimator, codec and abstract state a parameter of the gradient's shape gets. Shapes
+  are static, so the checks run once, at trace time; without them a gradient of
+  another shape (e.g. [256, 1] for a [256, 64] parameter) would broadcast against the
+  state into a full-size update. The gradient is checked against its parameter (if
+  `params` are given), its momentum (if kept) and the statistics its estimator makes
+  for a parameter of the gradient's shape.
   """
-  shape = tuple(g.shape)
+  path, shape = leaf.path, tuple(g.shape)
   if param is not None:
     _checks.check_grad_shape(path, shape, _tree.abstract_leaf(param).shape, 'the parameter')
-  codec = None
-  if tier.momentum and tier.mu_codec is not None:
-    try:  # the coded momentum a parameter of the gradient's shape keeps, if coded
-      codec = leaf_codec(shape, tier, batch_axes, path)
-      expected = None if codec is None else _abstract_coded(codec, shape, path)
-    except (ValueError, TypeError) as e:
-      _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, None, e)
-      raise
+  stage, error = leaf.problem if leaf.problem is not None else (None, None)
+  coded = tier.momentum and tier.mu_codec is not None
+  if coded and (stage == 'mu' or stage == 'decide'):
+    _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, None, error)
+    raise error
+  codec = leaf.codec if coded else None
   if tier.momentum and codec is None:
     if hasattr(row['mu'], 'shape'):
       _checks.check_grad_shape(path, shape, row['mu'].shape, 'its momentum')
@@ -171,19 +121,18 @@ def check_grad(tier: Tier, path: str, g: jax.Array, param: Any, row: Mapping[str
       _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']},
                                     {'mu': jax.ShapeDtypeStruct(shape, tier.mu_dtype)})
   elif tier.momentum:
+    expected = leaf.state['mu']
     row = {**row, 'mu': as_stored(row['mu'], expected)}
     _checks.check_grad_fits_stats(path, shape, {'mu': row['mu']}, {'mu': expected})
   present = {k: row[k] for k in _second_moment.STAT_FIELDS if row.get(k) is not None}
-  try:
-    estimator = leaf_estimator(shape, tier, batch_axes, path)
-    expected = abstract_stats(estimator, shape, g.dtype, path)
-  except (ValueError, TypeError) as e:  # e.g. batch axes out of range for `g`'s rank
-    _checks.check_grad_fits_stats(path, shape, present, None, e)
-    raise
-  _checks.check_grad_fits_stats(path, shape, present, expected)
+  if error is not None:  # e.g. batch axes out of range for `g`'s rank
+    _checks.check_grad_fits_stats(path, shape, present, None, error)
+    raise error
+  _checks.check_grad_fits_stats(path, shape, present, {
+      k: v for k, v in leaf.state.items() if k in _second_moment.STAT_FIELDS})
   if codec is not None:
     present = {'mu': row['mu'], **present}
-  return estimator, present
+  return present
 
 
 def path_hash(path: str) -> int:
@@ -239,32 +188,31 @@ def coded_momentum(codec: _codec.StateCodec, b1: Any, stored: Any, g: jax.Array,
 
 
 class Deferred(NamedTuple):
-  """A leaf's update waiting for its Newton-Schulz iteration (`Orthogonal.prepare`)."""
-  mats: jax.Array  # shape=[n, R, C] float32: the matrices to orthogonalise
-  key: tuple[Any, ...]  # wide (R, C) and the estimator's `iteration`: who may share a call
-  estimator: _orthogonal.Orthogonal
-  resume: Callable[[jax.Array], tuple[jax.Array, dict[str, Any]]]  # NS result -> update, state
+  """A leaf's update waiting for work it shares with other leaves (`SecondMoment.shared`)."""
+  shared: _second_moment.Shared  # the leaf's operand, its group and how it finishes
+  resume: Callable[[jax.Array], tuple[jax.Array, dict[str, Any]]]  # result -> update, state
 
 
-def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2: Any,
-                eps: Any, path: str, g: jax.Array, mu: Any,
-                present: Mapping[str, Any], t: jax.Array, scalars: _step_scalars.TierScalars,
-                batch_axes: Any = None, dtype: Any = None, defer: bool = False,
+def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
+                g: jax.Array, mu: Any, present: Mapping[str, Any], t: jax.Array,
+                scalars: _step_scalars.TierScalars, dtype: Any = None, defer: bool = False,
                 path_key: Any = None
                 ) -> Union[tuple[jax.Array, dict[str, Any]], Deferred]:
   """A leaf's update under `tier` (`t` the step count after it, as a float32; `scalars`
   its tier's `step_scalars.tier_scalars`), in `dtype` (default the gradient's;
   `per_leaf.update_dtype`), and its new state (field name -> array; a coded momentum as
-  its codec stores it). `path_key`: the leaf's `path_hash` as `codec_path_hashes` gives
-  it (None: computed here, a constant).
+  its codec stores it), with the estimator and codec of its plan `leaf`. `path_key`: the
+  leaf's `path_hash` as `codec_path_hashes` gives it (None: computed here, a constant).
 
-  With `defer`, an orthogonalised leaf returns a `Deferred` instead, which `resolve`
-  completes together with the others of its matrix shape."""
+  With `defer`, a leaf whose estimator shares work (`SecondMoment.shared`, e.g. the
+  Newton-Schulz iteration of `Orthogonal`) returns a `Deferred` instead, which `resolve`
+  completes together with the others of its group."""
   # Every full-size array below is either an input, a state output or computed inside
   # the one fused pass that also applies the update: statistics come from reductions
   # over the stored arrays, and nothing of the leaf's size is materialised in between
   # (but a coded momentum's `m`, which its absmax reads anyway: `coded_momentum`).
-  codec = leaf_codec(tuple(g.shape), tier, batch_axes, path)
+  path, estimator = leaf.path, leaf.estimator
+  codec = leaf.codec if tier.momentum else None
   if codec is not None:
     # Decoded, updated and encoded within the step: the float32 momentum `m` lives only
     # inside it, and the update is computed from `m` itself (as 8-bit Adam does), so the
@@ -296,15 +244,13 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     return u.astype(g.dtype if dtype is None else dtype), (
         {'mu': state, **new} if tier.momentum else dict(new))
 
-  # Only the built-in update is split (a subclass that overrides `update` runs whole).
-  if defer and isinstance(estimator, _orthogonal.Orthogonal) and (
-      type(estimator).update is _orthogonal.Orthogonal.update):
-    mats, finish = estimator.prepare(x, step)
-    if _blocks.explicit_spec(mats) is not None:  # a sharded batch: iterated where it lies
-      return end(finish(_orthogonal.newton_schulz(mats, *estimator.iteration)), {})
-    return Deferred(mats, (_orthogonal.wide(mats.shape), estimator.iteration), estimator,
-                    lambda o: end(finish(o), {}))
-  if (type(estimator) in _CACHED and _checks.is_concrete_number(step.b2)
+  if defer:
+    shared = estimator.shared(x, step)
+    if shared is not None:
+      if shared.alone:  # e.g. a sharded batch: its work runs where it lies
+        return end(shared.finish(shared.group.run_one(shared.operand)), {})
+      return Deferred(shared, lambda o: end(shared.finish(o), {}))
+  if (estimator.per_shape and _hashable(estimator) and _checks.is_concrete_number(step.b2)
       and _checks.is_concrete_number(step.eps)):  # not traced (inject_hyperparams)
     try:
       return end(*_cached_update(estimator, step._replace(path='', bc2=None, num_scale=None,
@@ -315,12 +261,9 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
   return end(*estimator.update(g, present, x, step))
 
 
-# The built-in estimators' update of a leaf depends on its shapes and static options
-# only: as a jitted function it is traced and lowered once per shape, not once per leaf
-# (a model repeats few shapes; XLA inlines the calls, so the program is the same).
-_CACHED = (_exact.Exact, _factored.Factored, _grouped.Grouped)
-
-
+# An update that depends on shapes and static options only (`SecondMoment.per_shape`)
+# is, as a jitted function, traced and lowered once per shape, not once per leaf (a
+# model repeats few shapes; XLA inlines the calls, so the program is the same).
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _cached_update(estimator: _second_moment.SecondMoment, static: _second_moment.Step,
                    g: jax.Array, present: dict[str, Any], x: jax.Array,
@@ -330,62 +273,49 @@ def _cached_update(estimator: _second_moment.SecondMoment, static: _second_momen
                                                          bc1_scale=bc1_scale))
 
 
-# A shared iteration holds its float32 temporaries for every matrix of a chunk at
-# once, where leaf-by-leaf calls each held their own: chunks hold up to the largest leaf
-# of the shape (and at least this many elements), so the many small matrices of a model
-# share one chunk while the peak stays that of its largest leaf.
-MIN_SHARED_ELEMENTS = 1 << 20
-# Matrices of a smaller shape join the call of a shape at least as large in both
-# (zero-padded: the same result) when they add at most this share to its matrices:
-# each padded matrix costs the iteration of a larger one, and a shape of its own costs a
-# compiled iteration (about a dozen XLA kernels) for a few small matrices.
+# Items of a smaller group join the call of a group that `hosts` them (e.g. matrices
+# zero-padded to a larger shape: the same result) when they add at most this share to
+# its items: each padded item costs the work of a larger one, and a group of its own
+# costs a compiled call (for Newton-Schulz about a dozen XLA kernels) for a few items.
 MAX_PADDED_SHARE = 1 / 8
 
 
-def shared_calls(keys: list[tuple[Any, ...]], counts: list[int]) -> list[list[int]]:
-  """Which leaves share a Newton-Schulz call: indices into `keys` (each
-  `(wide [R, C], iteration)`) grouped by key, then each group of a smaller shape moved
-  into the group of the largest shape that holds it (at least its `R` and `C`, the same
-  iteration), if its matrices (`counts` per leaf) are at most `MAX_PADDED_SHARE` of that
-  group's own."""
-  groups: dict[tuple[Any, ...], list[int]] = {}
-  for i, k in enumerate(keys):
-    groups.setdefault(k, []).append(i)
-  size = {k: sum(counts[i] for i in idx) for k, idx in groups.items()}
-  # Largest matrices first: a host is never itself moved into another.
-  order = sorted(groups, key=lambda k: (-math.prod(k[0]), -size[k], str(k)))
-  hosts: list[tuple[Any, ...]] = []
-  merged: dict[tuple[Any, ...], list[int]] = {}
+def shared_calls(groups: list[_second_moment.SharedGroup], counts: list[int]
+                 ) -> list[list[int]]:
+  """Which leaves share a call: indices into `groups` grouped by equal group, then each
+  group moved into the call of the largest group that `hosts` it, if its items
+  (`counts` per leaf) are at most `MAX_PADDED_SHARE` of that group's own."""
+  members: dict[Any, list[int]] = {}
+  for i, k in enumerate(groups):
+    members.setdefault(k, []).append(i)
+  size = {k: sum(counts[i] for i in idx) for k, idx in members.items()}
+  # Largest items first: a host is never itself moved into another.
+  order = sorted(members, key=lambda k: (-k.item_size, -size[k], str(k)))
+  hosts: list[Any] = []
+  merged: dict[Any, list[int]] = {}
   for k in order:
-    fits = [h for h in hosts if h[1] == k[1] and h[0][0] >= k[0][0] and h[0][1] >= k[0][1]
-            and size[k] <= MAX_PADDED_SHARE * size[h]]
+    fits = [h for h in hosts if h.hosts(k) and size[k] <= MAX_PADDED_SHARE * size[h]]
     if fits:
-      merged[fits[0]].extend(groups[k])
+      merged[fits[0]].extend(members[k])
     else:
       hosts.append(k)
-      merged[k] = list(groups[k])
+      merged[k] = list(members[k])
   return [sorted(idx) for idx in merged.values()]
 
 
 def resolve(out: list[Any], t: jax.Array) -> list[tuple[jax.Array, dict[str, Any]]]:
-  """`out` with every `Deferred` completed: the leaves of one matrix shape (turned wide,
-  R <= C, and the same iteration), with the few matrices of smaller shapes that
-  `shared_calls` pads into it, share one batched Newton-Schulz iteration, run in chunks
-  of at most as many elements as the largest of those leaves (or
-  `MIN_SHARED_ELEMENTS`), instead of one call per leaf; the same operations per matrix.
-  `t`: the step count (float32), which keeps the leaves' offsets runtime values
-  (`newton_schulz_shared`)."""
+  """`out` with every `Deferred` completed: the leaves of one group (and of the smaller
+  groups `shared_calls` puts with it) share one `group.run` of the host group, instead
+  of one call per leaf; the same operations per item. `t`: the step count (float32),
+  which keeps per-leaf offsets runtime values (`SharedGroup.run`'s key)."""
   deferred = [i for i, o in enumerate(out) if isinstance(o, Deferred)]
-  calls = shared_calls([out[i].key for i in deferred], [out[i].mats.shape[0] for i in deferred])
+  calls = shared_calls([out[i].shared.group for i in deferred],
+                       [out[i].shared.operand.shape[0] for i in deferred])
   out = list(out)
   for call in calls:
     idx = [deferred[j] for j in call]
-    matrix = math.prod(_orthogonal.padded_shape([out[i].mats.shape for i in idx]))
-    budget = max(MIN_SHARED_ELEMENTS, max(out[i].mats.shape[0] * matrix for i in idx))
-    est = out[idx[0]].estimator
-    orthogonal = _orthogonal.newton_schulz_shared(
-        [out[i].mats for i in idx], est.ns_coeffs, est.ns_steps, est.eps,
-        max_batch=max(1, budget // matrix), key=t)
-    for i, o in zip(idx, orthogonal):
+    host = max((out[i].shared.group for i in idx), key=lambda k: k.item_size)
+    results = host.run([out[i].shared.operand for i in idx], t)
+    for i, o in zip(idx, results):
       out[i] = out[i].resume(o)
   return out

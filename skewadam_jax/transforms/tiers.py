@@ -18,6 +18,7 @@ from skewadam_jax.core import checks as _checks
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.transforms import per_leaf as _per_leaf
+from skewadam_jax.transforms import plan as _plan
 from skewadam_jax.transforms import step_scalars as _step_scalars
 from skewadam_jax.transforms import tier_leaf as _tier_leaf
 
@@ -46,71 +47,81 @@ class TieredAdamState(NamedTuple):
   v: optax.Updates  # exact: like param; grouped: pooled axis; float32; else None.
 
 
-def _tiers_transform(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[str]],
-                     b1: Any, b2: Any, eps: Any, batch_axes: Any, name: str
-                     ) -> optax.GradientTransformationExtraArgs:
-  """The tiers' rules on the leaves `labels_of(tree)` assigns them (one label per leaf);
-  `name` is the public transform's, for errors."""
+def tiers_transform(tiers: Mapping[str, Tier], plan_fn: Callable[[Any, bool], _plan.Plan],
+                    b1: Any, b2: Any, eps: Any, name: str
+                    ) -> optax.GradientTransformationExtraArgs:
+  """The tiers' rules on the leaves as `plan_fn(tree, explain)` plans them (a
+  `plan.plan_leaves` of `tiers`), exposed as `init.planner`; `name` is the public
+  transform's, for errors."""
   _checks.check_beta('b1', b1)
   _checks.check_beta('b2', b2)
   _checks.check_non_negative('eps', eps)
 
-  def setup(tree: Any, leaves: _per_leaf.Leaves) -> tuple[list[Tier], list[Any]]:
-    """Each leaf's tier and batch axes."""
-    leaf_tiers = [tiers[label] for label in labels_of(tree)]
-    return leaf_tiers, _paths.leaf_batch_axes(batch_axes, tree)
-
-  def specs_of(leaves: _per_leaf.Leaves, leaf_tiers: list[Tier], axes: list[Any]
-               ) -> _per_leaf.SpecsOf:
+  def specs_of(plan: _plan.Plan) -> _per_leaf.SpecsOf:
     # Flax boxes (NNX Variables, Linen Partitioned) of each statistic name the axes it
     # keeps, as its estimator derives them from the parameter's axis names.
     def specs(i: int, names: Any, shape: tuple[int, ...]) -> Mapping[str, Any]:
-      path = leaves.paths[i]
-      estimator = _tier_leaf.leaf_estimator(shape, leaf_tiers[i], axes[i], path)
-      return estimator.specs(names, shape, None, path)
+      leaf = plan.leaves[i]
+      if leaf.estimator is None:  # keeps nothing
+        return {}
+      return leaf.estimator.specs(names, shape, None, leaf.path)
     return specs
 
   def init_fn(params):
     leaves = _per_leaf.Leaves.of(params)
-    leaf_tiers, axes = setup(params, leaves)
+    plan = plan_fn(params, False)
     # An integer or boolean leaf keeps nothing (`per_leaf.trains`).
-    rows = [_tier_leaf.init_leaf(tier, path, p, a) if _per_leaf.trains(p) else {}
-            for tier, path, p, a in zip(leaf_tiers, leaves.paths, leaves.arrays, axes)]
+    rows = [_tier_leaf.init_leaf(tiers[leaf.tier], leaf, p) if _per_leaf.trains(p) else {}
+            for leaf, p in zip(plan.leaves, leaves.arrays)]
     return TieredAdamState(_per_leaf.zero_count(), **leaves.fields(
-        rows, _tier_leaf.FIELDS, specs_of(leaves, leaf_tiers, axes)))
+        rows, _tier_leaf.FIELDS, specs_of(plan)))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # unused; accepted so that the transform chains like optax's
     _checks.check_update_order(updates, state, params,
                                lambda s: isinstance(s, TieredAdamState), name)
     leaves = _per_leaf.Leaves.of(updates)
-    leaf_tiers, axes = setup(updates, leaves)
+    plan = plan_fn(updates, False)
+    leaf_tiers = [tiers[leaf.tier] for leaf in plan.leaves]
     rows = leaves.read(state, _tier_leaf.FIELDS)
     count, t = _per_leaf.next_count(state.count)
     scalars = _step_scalars.tier_scalars(leaf_tiers, b1, b2, t)
     hashes = _tier_leaf.codec_path_hashes(leaf_tiers, leaves.paths, t)
     out = []
-    for i, (tier, path, g, p, row, a) in enumerate(zip(
-        leaf_tiers, leaves.paths, leaves.arrays, _per_leaf.param_leaves(leaves, params), rows,
-        axes)):
+    for i, (tier, leaf, g, p, row) in enumerate(zip(
+        leaf_tiers, plan.leaves, leaves.arrays, _per_leaf.param_leaves(leaves, params), rows)):
+      path = leaf.path
       if not _per_leaf.trains(g, p):
         out.append((_per_leaf.zero_update(path, g, p), {}))
         continue
-      estimator, present = _tier_leaf.check_grad(tier, path, g, p, row, a)
+      present = _tier_leaf.check_grad(tier, leaf, g, p, row)
       if not g.size:  # nothing to estimate: a statistic of no elements would be 0 / 0
         out.append((_per_leaf.zero_update(path, g, p), {**present, 'mu': row['mu']}
                     if tier.momentum else dict(present)))
         continue
       mu = present.pop('mu', row.get('mu'))  # a coded momentum, as its codec made it
       out.append(_tier_leaf.update_leaf(
-          tier, estimator, b1 if tier.b1 is None else tier.b1, b2, eps, path, g, mu,
-          present, t, scalars[id(tier)], a, _per_leaf.update_dtype(g, p), defer=True,
+          tier, leaf, b1 if tier.b1 is None else tier.b1, b2, eps, g, mu, present, t,
+          scalars[id(tier)], _per_leaf.update_dtype(g, p), defer=True,
           path_key=hashes.get(i)))
     out = _tier_leaf.resolve(out, t)
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
-        [new for _, new in out], _tier_leaf.FIELDS, specs_of(leaves, leaf_tiers, axes)))
+        [new for _, new in out], _tier_leaf.FIELDS, specs_of(plan)))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  planner = _plan.Planner(plan_fn, TieredAdamState)
+  return optax.GradientTransformationExtraArgs(_plan.with_planner(init_fn, planner),
+                                               update_fn)
+
+
+def plan_of_tiers(tiers: Mapping[str, Tier], labels_of: Callable[[Any], list[str]],
+                  batch_axes: Any) -> Callable[[Any, bool], _plan.Plan]:
+  """`plan_fn` of `tiers_transform`: each leaf's tier from `labels_of(tree)` (one label
+  per leaf), its batch axes from `batch_axes` (a tree, a function of the tree, None)."""
+  def plan_fn(tree: Any, explain: bool) -> _plan.Plan:
+    del explain  # no labeler notes: the labels are given
+    return _plan.plan_leaves(tiers, tree, labels_of(tree),
+                             _paths.leaf_batch_axes(batch_axes, tree))
+  return plan_fn
 
 
 def scale_by_tiers(
@@ -164,7 +175,8 @@ def scale_by_tiers(
     labels = _labels.resolve_labels(tree, param_labels)
     return jax.tree_util.tree_leaves(_labels.expand_labels(tree, labels, tiers))
 
-  return _tiers_transform(tiers, labels_of, b1, b2, eps, batch_axes, 'sj.scale_by_tiers')
+  return tiers_transform(tiers, plan_of_tiers(tiers, labels_of, batch_axes), b1, b2, eps,
+                         'sj.scale_by_tiers')
 
 
 def scale_by_tiered_adam(
@@ -226,5 +238,7 @@ def scale_by_tiered_adam(
     raise TypeError(f'`tier` must be a skewadam_jax.Tier or None, got {type(tier).__name__} '
                     f'{tier!r}; build one with sj.Tier(...) or pass tier options as keywords.')
   tier = (tier or Tier()).replace(**tier_options)
-  return _tiers_transform({'tier': tier}, lambda tree: ['tier'] * len(
-      jax.tree_util.tree_leaves(tree)), b1, b2, eps, batch_axes, 'sj.scale_by_tiered_adam')
+  tiers = {'tier': tier}
+  labels_of = lambda tree: ['tier'] * len(jax.tree_util.tree_leaves(tree))  # noqa: E731
+  return tiers_transform(tiers, plan_of_tiers(tiers, labels_of, batch_axes), b1, b2, eps,
+                         'sj.scale_by_tiered_adam')

@@ -391,24 +391,26 @@ def test_shared_calls_pad_few_small_matrices_into_a_larger_shape(leaves):
   # Shapes: a [4, 8] holds b [2, 8] and d [3, 5]; c [5, 5] holds d; nothing holds a or c
   # but themselves. A leaf joins a larger call only if its shape's matrices are at most
   # 1/8 of that call's own; every leaf is in exactly one call, of one iteration.
+  from skewadam_jax.estimators.orthogonal import NewtonSchulzGroup
   from skewadam_jax.transforms import tier_leaf
   wide = {'a': (4, 8), 'b': (2, 8), 'c': (5, 5), 'd': (3, 5)}
-  keys = [(wide[s], ('it',)) for s, _ in leaves]
+  keys = [NewtonSchulzGroup(wide[s], ('it',)) for s, _ in leaves]
   counts = [n for _, n in leaves]
   calls = tier_leaf.shared_calls(keys, counts)
   assert sorted(i for c in calls for i in c) == list(range(len(leaves)))
   for call in calls:
-    shapes = {keys[i][0] for i in call}
+    shapes = {keys[i].wide for i in call}
     host = max(shapes, key=lambda s: s[0] * s[1])
-    own = sum(counts[i] for i in call if keys[i][0] == host)
+    own = sum(counts[i] for i in call if keys[i].wide == host)
     for s in shapes - {host}:
       assert s[0] <= host[0] and s[1] <= host[1]
-      assert sum(counts[i] for i in call if keys[i][0] == s) <= own / 8
+      assert sum(counts[i] for i in call if keys[i].wide == s) <= own / 8
   # Leaves of one shape are never split over calls.
   for s in wide.values():
-    assert sum(any(keys[i][0] == s for i in call) for call in calls) <= 1
+    assert sum(any(keys[i].wide == s for i in call) for call in calls) <= 1
   # Another iteration never shares.
-  assert len(tier_leaf.shared_calls([((4, 8), 1), ((2, 8), 2)], [80, 1])) == 2
+  assert len(tier_leaf.shared_calls([NewtonSchulzGroup((4, 8), 1), NewtonSchulzGroup((2, 8), 2)],
+                                    [80, 1])) == 2
 
 
 @settings(max_examples=15, deadline=None)
@@ -439,8 +441,8 @@ def test_chunked_shared_iteration_holds_one_iteration_and_bounded_chunks(monkeyp
   # More matrices of one shape than a chunk holds: equal chunks under `lax.map`, so the
   # jaxpr holds the iteration once (3 dots x ns_steps) and the updates still match
   # leaf-by-leaf transforms (within 1e-5 of the RMS: the chunks' body is compiled).
-  from skewadam_jax.transforms import tier_leaf
-  monkeypatch.setattr(tier_leaf, 'MIN_SHARED_ELEMENTS', 1)
+  from skewadam_jax.estimators import orthogonal
+  monkeypatch.setattr(orthogonal, 'MIN_SHARED_ELEMENTS', 1)
   shapes = {'bank': (3, 12, 20), 'a': (12, 20), 'b': (12, 20), 'c': (2, 12, 20)}
   axes = {'bank': (0,), 'a': (), 'b': (), 'c': (0,)}
   params = {k: jnp.zeros(s) for k, s in shapes.items()}

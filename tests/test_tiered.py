@@ -14,7 +14,6 @@ import pytest
 import skewadam_jax as sj
 from reference import RefTier
 from skewadam_jax.transforms import alias as _alias
-from skewadam_jax.transforms import tier_leaf as _tier_leaf
 from trees import MOE_LEAVES, init_params, make_grads_fn, nest, run_optax
 from ulp import assert_within_ulp
 
@@ -423,9 +422,10 @@ def test_leaves_of_one_shape_share_one_traced_estimator_update(shapes, estimator
             for k, v in params.items()} for _ in range(3)]
   tier = sj.Tier(momentum=momentum, second_moment=estimator)
   runs = {}
-  cached = _tier_leaf._CACHED
+  classes = (sj.Exact, sj.Factored, sj.Grouped)
   for name in ('cached', 'per leaf'):
-    _tier_leaf._CACHED = cached if name == 'cached' else ()
+    for cls in classes:  # `per_shape`: the protocol that caches the traced update
+      cls.per_shape = name == 'cached'
     try:
       tx = sj.scale_by_tiered_adam(tier=tier)
       state = tx.init(params)
@@ -436,7 +436,8 @@ def test_leaves_of_one_shape_share_one_traced_estimator_update(shapes, estimator
                if e.primitive.name in ('pjit', 'jit')
                and e.params.get('name') == '_cached_update']
     finally:
-      _tier_leaf._CACHED = cached
+      for cls in classes:
+        cls.per_shape = True
     if name == 'cached':
       assert len(calls) == len(shapes)
       assert len({id(e.params['jaxpr']) for e in calls}) == len(set(shapes))

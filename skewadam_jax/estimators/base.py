@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp

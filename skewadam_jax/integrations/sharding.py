@@ -16,8 +16,9 @@ Each statistic's spec comes from the estimator that made it (`SecondMoment.specs
 a spec or a pytree of specs; a coded momentum's from its codec): `state_shardings`
 traces the optimizer's `init` and reads the plan of each transform that plans its
 leaves (`reports.trace.trace_init`), which says which state leaves are the statistics
-of which parameter, made by which estimator. State of other optax transforms (AdamW's `mu`/`nu`, Adafactor's
-factors) is matched to its parameter by the state walk (`reports.walk`), its spec by shape.
+of which parameter, made by which estimator. State of other optax transforms (AdamW's
+`mu`/`nu`, Adafactor's factors) is matched to its parameter by the state walk
+(`reports.walk`), its spec by shape.
 
 `optax.tree_utils.tree_map_params` hands every params-shaped subtree the parameter's
 full-rank spec, which is wrong for the reduced statistics (and it cannot even run our

@@ -33,7 +33,10 @@ from skewadam_jax.estimators.factored import Factored
 from skewadam_jax.estimators.grouped import Grouped
 from skewadam_jax.estimators.orthogonal import Orthogonal
 from skewadam_jax.estimators.base import SecondMoment
+from skewadam_jax.estimators.base import Shared
+from skewadam_jax.estimators.base import SharedGroup
 from skewadam_jax.estimators.base import Step
+from skewadam_jax.estimators.orthogonal import NewtonSchulzGroup
 # State codecs: a tier's momentum stored as blockwise low-bit codes (`Tier(mu_codec=...)`).
 from skewadam_jax.estimators.codec import Blockwise
 from skewadam_jax.estimators.codec import Coded
@@ -103,8 +106,11 @@ __all__ = (
     'Exact',
     'Factored',
     'Grouped',
+    'NewtonSchulzGroup',
     'Orthogonal',
     'SecondMoment',
+    'Shared',
+    'SharedGroup',
     'Step',
     # State codecs.
     'Blockwise',

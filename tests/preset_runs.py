@@ -45,12 +45,32 @@ def tree_cases() -> dict:
           'scanned_f32': (scanned, jnp.float32)}
 
 
+def reports(tx, params) -> dict:
+  """What the reports say of `tx` on `params`, as text: the label table (for the
+  optimizers with tiers), the memory report, the state's shardings on a 'data' axis and
+  the checkpoint description."""
+  from jax.sharding import PartitionSpec as P
+  out = {'memory': sj.memory_report(tx, params).format()}
+  try:
+    out['labels'] = sj.label_table(tx, params).format()
+  except ValueError as e:  # no skewadam in `tx`
+    out['labels'] = str(e)
+  specs = jax.tree.map(lambda p: P(*(('data',) + (None,) * (p.ndim - 1))[:p.ndim]), params)
+  out['shardings'] = str(sj.state_shardings(tx, params, specs))
+  out['description'] = str(sj.describe_state(tx, params))
+  return out
+
+
 def run(out_path: str) -> None:
   arrays = {}
   for tname, (leaves, dtype) in tree_cases().items():
     params0 = trees.init_params(0, leaves)
     grads_fn = trees.make_grads_fn(1, leaves)
     for oname, tx in optimizers().items():
+      abstract = trees.nest({k: jax.ShapeDtypeStruct(v.shape, dtype)
+                             for k, v in params0.items()})
+      for k, v in reports(tx, abstract).items():
+        arrays[f'{tname}|{oname}|report|{k}'] = np.asarray(v)
       params, state = trees.run_optax(tx, params0, grads_fn, STEPS, dtype=dtype)
       for k, v in params.items():
         arrays[f'{tname}|{oname}|param|{k}'] = v

@@ -53,9 +53,9 @@ class Trace:
   state: Any  # the abstract state (`jax.ShapeDtypeStruct` leaves, Flax boxes kept)
   leaves: tuple[StateLeaf, ...]  # one per leaf of `state`, in `jax.tree.leaves` order
   paths: tuple[str, ...]  # the parameters' normalised paths, in flattening order
-  # parameter path -> its `LeafPlan` under the first tier planner that steps it
+  # parameter path -> its `LeafPlan` under the first described planner (a skewadam's)
   tiers: Mapping[str, _plan.LeafPlan]
-  has_tiers: bool = False  # whether `tx` holds a tier planner (one with no leaf too)
+  has_tiers: bool = False  # whether `tx` holds a described planner (one with no leaf too)
 
 
 def _cells(fn: Any) -> dict[str, Any]:
@@ -169,7 +169,7 @@ def trace_init(tx: optax.GradientTransformation, params: Any, *, explain: bool =
     stepped = [j for j, x in enumerate(params_def.flatten_up_to(_flax.unbox(seen)))
                if not isinstance(x, optax.MaskedNode)]
     for k, j in enumerate(stepped):
-      if planner.tiers:
+      if planner.described:
         tiers.setdefault(paths[j], plan.leaves[k])
     for field in node._fields:
       if field != 'mu' and field not in plan.stat_keys:
@@ -184,4 +184,4 @@ def trace_init(tx: optax.GradientTransformation, params: Any, *, explain: bool =
     entry = planned.get(id(leaf))
     leaves.append(StateLeaf(leaf, param, None) if entry is None
                   else StateLeaf(leaf, entry[0], entry[1]))
-  return Trace(state, tuple(leaves), paths, tiers, any(p.tiers for p in found))
+  return Trace(state, tuple(leaves), paths, tiers, any(p.described for p in found))

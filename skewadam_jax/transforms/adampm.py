@@ -180,4 +180,4 @@ def grouped_adam(b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Optional[A
 
   return optax.GradientTransformationExtraArgs(
       _plan.with_planner(
-          init_fn, _plan.Planner(plan_fn, GroupedSecondMomentState, tiers=False)), update_fn)
+          init_fn, _plan.Planner(plan_fn, GroupedSecondMomentState)), update_fn)

@@ -182,7 +182,8 @@ def skewadam(
     return _plan.plan_leaves(tiers, tree, jax.tree_util.tree_leaves(labels),
                              _paths.leaf_batch_axes(axes, tree), reasons)
 
-  tiers_tx = _tiered.tiers_transform(tiers, plan_fn, b1, b2, eps, 'sj.scale_by_tiers')
+  tiers_tx = _tiered.tiers_transform(tiers, plan_fn, b1, b2, eps, 'sj.scale_by_tiers',
+                                     described=True)
 
   def decay_mask(params: Any) -> Any:
     flags = jax.tree.map(lambda label: tiers[label].apply_weight_decay, labeler(params))

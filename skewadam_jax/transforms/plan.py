@@ -81,11 +81,12 @@ class Planner:
     plan_fn: `(params, explain) -> Plan`, pure.
     state_type: the NamedTuple type of the transform's state (where the reports find
       the leaves of the plan in a traced state).
-    tiers: whether it plans by tiers (what `label_table` shows).
+    described: whether `label_table` and `describe_state` show its leaves (a
+      `skewadam`'s: its tiers come from its labeler).
   """
   plan_fn: Callable[[Any, bool], Plan]
   state_type: type
-  tiers: bool = True
+  described: bool = False
 
   def plan(self, params: Any, *, explain: bool = False) -> Plan:
     return self.plan_fn(params, explain)

@@ -48,11 +48,11 @@ class TieredAdamState(NamedTuple):
 
 
 def tiers_transform(tiers: Mapping[str, Tier], plan_fn: Callable[[Any, bool], _plan.Plan],
-                    b1: Any, b2: Any, eps: Any, name: str
+                    b1: Any, b2: Any, eps: Any, name: str, described: bool = False
                     ) -> optax.GradientTransformationExtraArgs:
   """The tiers' rules on the leaves as `plan_fn(tree, explain)` plans them (a
-  `plan.plan_leaves` of `tiers`), exposed as `init.planner`; `name` is the public
-  transform's, for errors."""
+  `plan.plan_leaves` of `tiers`), exposed as `init.planner` (`described`: see
+  `plan.Planner`); `name` is the public transform's, for errors."""
   _checks.check_beta('b1', b1)
   _checks.check_beta('b2', b2)
   _checks.check_non_negative('eps', eps)
@@ -108,7 +108,7 @@ def tiers_transform(tiers: Mapping[str, Tier], plan_fn: Callable[[Any, bool], _p
     return leaves.unflatten([u for u, _ in out]), TieredAdamState(count, **leaves.fields(
         [new for _, new in out], _tier_leaf.FIELDS, specs_of(plan)))
 
-  planner = _plan.Planner(plan_fn, TieredAdamState)
+  planner = _plan.Planner(plan_fn, TieredAdamState, described)
   return optax.GradientTransformationExtraArgs(_plan.with_planner(init_fn, planner),
                                                update_fn)
 

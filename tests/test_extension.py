@@ -161,6 +161,29 @@ def test_user_estimator_and_codec_reach_the_reports():
   assert described['mu_codec']['type'] == 'Bfloat16Momentum'
 
 
+def test_a_batch_axes_function_gets_the_labels_only_when_it_takes_them():
+  # No context carries the labels into a `batch_axes` function: one that takes
+  # `param_labels` is passed them (the per-expert bias beside its bank then gets the
+  # expert axis); one of the params alone labels them by default (the bias, a backbone
+  # leaf there, keeps the default axes).
+  import functools
+  import warnings
+  params = {'blk': {'w': jax.ShapeDtypeStruct((4, 8, 16), jnp.float32),
+                    'b': jax.ShapeDtypeStruct((4, 16), jnp.float32)}}
+  labels = sj.make_labeler([('blk/*', 'experts')])
+  got = {}
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', sj.UnsureLabelWarning)
+    for name, axes in (('partial', functools.partial(sj.moe_batch_axes)),
+                       ('takes labels', lambda p, param_labels: sj.moe_batch_axes(
+                           p, param_labels)),
+                       ('params only', lambda p: sj.moe_batch_axes(p))):
+      table = sj.label_table(sj.skewadam(1e-3, param_labels=labels, batch_axes=axes), params)
+      got[name] = {r.path: r.batch_axes for r in table}
+  assert got['partial'] == got['takes labels'] == {'blk/b': (0,), 'blk/w': (0,)}, got
+  assert got['params only'] == {'blk/b': (), 'blk/w': (0,)}, got
+
+
 @pytest.mark.slow
 def test_presets_update_bitwise_as_the_reference(tmp_path):
   # Every exported preset (and AdamPM, an AdamW-like tier, grouped tiers) on the MoE

@@ -93,9 +93,13 @@ def planners(tx: Any) -> list[_plan.Planner]:
     elif isinstance(obj, (tuple, list)):
       for x in obj:
         visit(x, depth + 1)
-    elif isinstance(obj, dict):
-      for x in obj.values():
-        visit(x, depth + 1)
+    elif isinstance(obj, dict):  # in the order jax flattens a dict: its keys sorted
+      try:
+        keys = sorted(obj)
+      except TypeError:
+        keys = list(obj)
+      for k in keys:
+        visit(obj[k], depth + 1)
     elif isinstance(obj, functools.partial):
       visit(obj.func, depth + 1)
       visit(obj.args, depth + 1)

@@ -161,6 +161,23 @@ def test_user_estimator_and_codec_reach_the_reports():
   assert described['mu_codec']['type'] == 'Bfloat16Momentum'
 
 
+def test_two_skewadams_under_partition_each_report_their_own_plan():
+  # The reports walk the optimizer for its planners and pair each with its own state,
+  # in the order jax flattens the partition's dict (sorted keys, not the order given).
+  import optax
+  from jax.sharding import PartitionSpec as P
+  params = {'a': jax.ShapeDtypeStruct((8, 6), jnp.float32),
+            'z': jax.ShapeDtypeStruct((8, 6), jnp.float32)}
+  exact = {name: sj.Tier(second_moment='exact') for name in ('backbone', 'experts', 'router')}
+  tx = optax.partition({'zz': sj.skewadam(1e-3, tiers=exact), 'aa': sj.skewadam(1e-3)},
+                       {'a': 'zz', 'z': 'aa'})
+  rows = {r.path: (r.second_moment, r.state_bytes) for r in sj.label_table(tx, params)}
+  assert rows == {'a': ('exact', 2 * 8 * 6 * 4), 'z': ('factored', (8 * 6 + 8 + 6) * 4)}
+  specs = sj.state_shardings(tx, params, {'a': P('d', None), 'z': P('d', None)})
+  assert specs.inner_states['zz'].inner_state[0].v['a'] == P('d', None)
+  assert specs.inner_states['aa'].inner_state[0].v_row['z'] == P('d')
+
+
 def test_a_batch_axes_function_gets_the_labels_only_when_it_takes_them():
   # No context carries the labels into a `batch_axes` function: one that takes
   # `param_labels` is passed them (the per-expert bias beside its bank then gets the

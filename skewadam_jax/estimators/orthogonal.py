@@ -122,10 +122,12 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   matrix `A`, the polynomial `b A + c A A`) and accumulates in float32
   (`preferred_element_type`); the norm and the elementwise sums are float32, rounded
   to bfloat16 once per iteration. Each step thus rounds its operands to 8 bits of
-  mantissa (relative error <= 2^-9); the singular values the iteration has pushed near
-  1 contract such errors (the quintic's slope there is about -0.7), so the factor
-  stays within a few 2^-9 of the float32 one in relative Frobenius norm
-  (tests/test_orthogonal.py states the bound).
+  mantissa (relative error <= 2^-9 each); measured over random wide, tall and banked
+  matrices, the factor is within 0.07 of the float32 one in relative Frobenius norm
+  (median 0.02, about 10 * 2^-9), and its singular values within 0.1, inside the
+  spread the float32 iteration leaves around 1 ([0.68, 1.13]); tests/test_orthogonal.py
+  states the bounds and why. Rounding the products to bfloat16 as well (the iteration
+  without float32 accumulation) measured 2.5x that distance.
 
   Args:
     x: the matrices, `[..., R, C]`, float32 or bfloat16.

@@ -30,11 +30,14 @@ No statistic means no bytes, no sharding specs, and no RMS clip in practice (the
 update RMS is `rms_scale` by construction; a tier's clip still applies per matrix).
 
 Cost: unlike the other estimators, the step is compute-bound and has full-size
-temporaries (the float32 `X` of every matrix and the Gram products of each iteration,
-all batch slices at once). Measured on XLA:CPU (`benchmarks/step_time.py`, the 128.7M
-MoE tree with 128 experts of [512, 512]): `MUON_TIERS`' update + apply holds 1,334.5 MiB
-of XLA temporaries, 2.72x the parameter bytes (`optax.contrib.muon` on the same
-matrices: 1,694.5 MiB, 3.45x), and takes about 68x `optax.adamw`'s time on 2 cores.
+temporaries (the `X` of every matrix and the Gram products of each iteration, all
+batch slices at once). `ns_dtype` sets the iteration's dtype: bfloat16 operands with
+float32 accumulation, as Muon runs it, or float32; the default 'auto' is bfloat16 on
+GPU and TPU and float32 on CPU (see `iteration_dtype`). Measured on XLA:CPU
+(`benchmarks/step_time.py`, the 128.7M MoE tree with 128 experts of [512, 512]):
+`MUON_TIERS`' update + apply holds 1,334.5 MiB of XLA temporaries, 2.72x the parameter
+bytes (`optax.contrib.muon` on the same matrices: 1,694.5 MiB, 3.45x), and takes about
+68x `optax.adamw`'s time on 2 cores.
 
 References:
   Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024

@@ -124,10 +124,10 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   `X` is stored in bfloat16 and every product takes bfloat16 operands (`X`, the Gram
   matrix `A`, the polynomial `b A + c A A`) and accumulates in float32
   (`preferred_element_type`); the norm and the elementwise sums are float32, rounded
-  to bfloat16 once per iteration. Each step thus rounds its operands to 8 bits of
-  mantissa (relative error <= 2^-9 each); measured over random wide, tall and banked
+  to bfloat16 once per iteration. Each step thus rounds its operands to 8 significant
+  bits (relative error <= 2^-8 each); measured over random wide, tall and banked
   matrices, the factor is within 0.07 of the float32 one in relative Frobenius norm
-  (median 0.02, about 10 * 2^-9), and its singular values within 0.1, inside the
+  (median 0.022, about 6 * 2^-8), and its singular values within 0.1, inside the
   spread the float32 iteration leaves around 1 ([0.68, 1.13]); tests/test_orthogonal.py
   states the bounds and why. Rounding the products to bfloat16 as well (the iteration
   without float32 accumulation) measured 2.5x that distance.
@@ -271,7 +271,7 @@ class Orthogonal(_second_moment.SecondMoment):
     eps: added to the Frobenius norm that normalises each matrix.
     ns_dtype: the dtype of the iteration: 'float32'; 'bfloat16' (bfloat16 operands,
       float32 accumulation, as Muon runs it: faster where matrix units multiply
-      bfloat16 faster, within a few 2^-9 of float32 in relative Frobenius norm); or
+      bfloat16 faster, within 0.1 of float32 in relative Frobenius norm); or
       'auto' (default), bfloat16 on GPU and TPU, float32 on CPU, decided when the
       update is traced from the platform of the arrays' devices, or under `jit` from
       `jax.default_backend()` (`iteration_dtype`).

@@ -26,7 +26,12 @@ execute on that GPU, so two of the step's figures can be read off it:
   `step_time.py`'s measured time on an H200 where `results/gpu/` holds one.
 
 Every preset: optax.adamw, optax.adafactor, SkewAdam's published tiers, `MUON_TIERS`,
-`MUON_CODED_TIERS`, AdamPM and `optax.contrib.muon` (the Muon peer). The markdown ends
+`MUON_CODED_TIERS`, AdamPM and `optax.contrib.muon` (the Muon peer). The presets'
+Newton-Schulz dtype is 'auto', which the trace decides from `jax.default_backend()`:
+here the CPU host's, so the `MUON_TIERS` and `MUON_CODED_TIERS` rows plan the float32
+iteration, where a GPU would run bfloat16. `MUON_CODED_TIERS` is also planned with the
+dtype named (`skewadam-muon-coded-ns-bfloat16`, what it runs on a GPU, and
+`-ns-float32`). The markdown ends
 with the goals on the plans: the published tiers' update kernels at 128.7M within 1.2x
 AdamW's, and `MUON_CODED_TIERS`' 6.78B step peak at most the paper's SkewAdam peak.
 
@@ -67,7 +72,8 @@ from examples.moe_lm.model import abstract_params, get_config  # noqa: E402
 
 TARGETS = sorted(p.stem for p in _common.GPU_SPECS.glob('*.txtpb'))
 STEP_NAMES = ('copy', 'adamw', 'adafactor', 'skewadam', 'adampm', 'skewadam-muon',
-              'skewadam-muon-coded', 'muon')
+              'skewadam-muon-coded', 'skewadam-muon-coded-ns-bfloat16',
+              'skewadam-muon-coded-ns-float32', 'muon')
 PEAK_OPTIMIZERS = peak_memory.OPTIMIZERS + peak_memory.MORE_OPTIMIZERS
 
 # The roofline's constants, an H200 SXM's datasheet figures: HBM3e bandwidth, dense bf16

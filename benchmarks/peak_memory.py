@@ -49,8 +49,8 @@ from _common import GIB, RESULTS
 from examples import _cli
 
 OPTIMIZERS = ('adamw', 'adafactor', 'skewadam', 'adampm')
-# Further presets that other scripts (gpu_compile.py) plan the step of; not run here
-# by default.
+# Further presets that other scripts (gpu_compile.py, run_gpu.sh) plan or run the step
+# of; not run here by default.
 MORE_OPTIMIZERS = ('skewadam-muon', 'skewadam-muon-coded', 'muon')
 LABELS = {'adamw': 'AdamW (fp32 m, v)', 'adafactor': 'Adafactor (optax default)',
           'skewadam': 'SkewAdam (published tiers)', 'adampm': 'AdamPM (s = 8, fp32 m, nu)',
@@ -391,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap = _cli.parser(__doc__.split('\n\n')[0])
   _cli.option(ap, '--configs', nargs='*', default=list(CONFIGS), choices=list(CONFIGS),
               help='model configurations (w8 is also run; paper-6.78b is compiled only)')
-  _cli.option(ap, '--optimizers', nargs='*', default=list(OPTIMIZERS), choices=OPTIMIZERS,
-              help='optimizers to compile')
+  _cli.option(ap, '--optimizers', nargs='*', default=list(OPTIMIZERS),
+              choices=OPTIMIZERS + MORE_OPTIMIZERS, help='optimizers to compile')
   _cli.option(ap, '--out', default=str(RESULTS), help='directory for the JSON, markdown, PNG')
   _cli.option(ap, '--worker', nargs=2, metavar=('CONFIG', 'OPT'), help=argparse.SUPPRESS)
   _cli.option(ap, '--explain', action='store_true', help=argparse.SUPPRESS)

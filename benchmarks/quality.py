@@ -112,7 +112,8 @@ REFINE_ABOVE = 1.9
 STEPS = 2000
 BASELINE = 'adamw'
 # Pairs (a, b) the report compares seed by seed beside the baseline, each at its best
-# lr: the shipped coded policy (`sj.MUON_CODED_TIERS`) against Muon, against the same
+# lr: the shipped coded policy (`sj.MUON_CODED_TIERS`) with its Newton-Schulz in bfloat16
+# against float32, against Muon, against the same
 # policy in fp32, with every leaf coded and against the first shipped codes, and the
 # front's other points (bits, blocks and rounding, under and over 10% of AdamW's state)
 # against the fp32 form or the first shipped codes.
@@ -120,7 +121,8 @@ SHIPPED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096'
 ALL_CODED = 'skewadam-muon-coded-6bit-8bit-backbone-nearest'  # the norms coded too
 FIRST = 'skewadam-muon-coded-4bit-experts-stochastic'  # the example's CODED_4BIT_TIERS
 FP32 = 'skewadam-muon-expert-momentum'
-PAIRS = ((SHIPPED, 'muon'), (SHIPPED, FP32), (SHIPPED, ALL_CODED), (SHIPPED, FIRST),
+PAIRS = ((f'{SHIPPED}-ns-bfloat16', f'{SHIPPED}-ns-float32'),  # Newton-Schulz dtype
+         (SHIPPED, 'muon'), (SHIPPED, FP32), (SHIPPED, ALL_CODED), (SHIPPED, FIRST),
          (ALL_CODED, 'muon'), (ALL_CODED, FP32), (ALL_CODED, FIRST),
          (ALL_CODED, 'skewadam-muon-coded-6bit-8bit-backbone'),
          ('skewadam-muon-coded-6bit-8bit-backbone', FP32),

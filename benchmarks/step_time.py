@@ -46,6 +46,7 @@ from tqdm import tqdm
 import skewadam_jax as sj
 from examples import _cli
 from examples.moe_lm.model import abstract_params, get_config
+from examples.moe_lm.optimizers import with_ns_dtype
 
 LR = 1e-3
 WD = 0.1
@@ -63,7 +64,20 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
         LR, weight_decay=WD, tiers=_common.uncoded(sj.MUON_CODED_TIERS)),
     'muon': lambda: contrib.muon(LR, weight_decay=WD,
                                  muon_weight_dimension_numbers=_common.muon_dims),
+    # MUON_CODED_TIERS with its Newton-Schulz dtype named: the preset's 'auto' is
+    # bfloat16 on a GPU, float32 on the CPU, and a compile-only GPU plan traced on a
+    # CPU host (gpu_compile.py) would get float32; these say which iteration runs.
+    'skewadam-muon-coded-ns-float32': lambda: _muon_coded_ns('float32'),
+    'skewadam-muon-coded-ns-bfloat16': lambda: _muon_coded_ns('bfloat16'),
 }
+# Timed unless `--only` says otherwise: the named Newton-Schulz dtypes only on request.
+DEFAULT_ONLY = [n for n in OPTIMIZERS if '-ns-' not in n]
+def _muon_coded_ns(ns_dtype: str) -> optax.GradientTransformation:
+  """`sj.MUON_CODED_TIERS` with every Newton-Schulz iteration in `ns_dtype`."""
+  tiers = {k: with_ns_dtype(t, ns_dtype) for k, t in sj.MUON_CODED_TIERS.items()}
+  return sj.skewadam(LR, weight_decay=WD, tiers=tiers)
+
+
 # With --state-dtype float32, the optimizers whose state is initialised on a float32
 # view of the parameters; their state then stays float32 through updates with bf16
 # gradients (as the published AdamW baseline keeps fp32 m and v). SkewAdam's state is
@@ -80,6 +94,8 @@ LABELS = {
     'skewadam-muon-coded': 'SkewAdam (MUON_CODED_TIERS: 6-bit experts and hidden, 8-bit backbone)',
     'skewadam-muon-expert-momentum': 'SkewAdam (MUON_CODED_TIERS with fp32 momentum)',
     'muon': 'optax.contrib.muon (experts per expert)',
+    'skewadam-muon-coded-ns-float32': 'SkewAdam (MUON_CODED_TIERS, float32 Newton-Schulz)',
+    'skewadam-muon-coded-ns-bfloat16': 'SkewAdam (MUON_CODED_TIERS, bfloat16 Newton-Schulz)',
 }
 
 
@@ -343,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "unset: each optimizer's own, i.e. the parameters' dtype")
   _cli.option(ap, '--rounds', type=int, default=15, help='interleaved timing rounds')
   _cli.option(ap, '--warmup', type=int, default=2, help='untimed rounds first')
-  _cli.option(ap, '--only', nargs='*', default=list(OPTIMIZERS), choices=list(OPTIMIZERS),
+  _cli.option(ap, '--only', nargs='*', default=DEFAULT_ONLY, choices=list(OPTIMIZERS),
               help='optimizers to time (AdamW always, as the reference)')
   _cli.option(ap, '--no-by-tier', dest='by_tier', action='store_false',
               # `(default: True)` would read as if the flag were on by default.

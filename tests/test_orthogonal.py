@@ -177,6 +177,8 @@ def test_leaves_without_a_matrix_are_rejected_or_fall_back():
     (dict(ns_steps=0), ValueError, 'ns_steps'),
     (dict(ns_coeffs=(1.0, 2.0)), TypeError, 'ns_coeffs'),
     (dict(fallback='factored'), TypeError, 'fallback'),
+    (dict(ns_dtype='float16'), ValueError, "`ns_dtype` must be one of .*'auto'.*'float32'"),
+    (dict(ns_dtype=jnp.bfloat16), ValueError, 'ns_dtype'),
 ])
 def test_bad_options_are_rejected(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -461,3 +463,138 @@ def test_chunked_shared_iteration_holds_one_iteration_and_bounded_chunks(monkeyp
   inner = scans[0].params['jaxpr'].jaxpr
   assert sum(e.primitive.name == 'dot_general' for e in inner.eqns) == 3 * HIDDEN_NS_STEPS
   assert not any(e.primitive.name == 'dot_general' for e in jaxpr.eqns)
+
+
+# ----------------------------------------------------------------- bfloat16 Newton-Schulz
+
+# The bfloat16 iteration (`ns_dtype='bfloat16'`) against the float32 one, per matrix:
+# relative Frobenius distance of the factors, and the largest distance between their
+# sorted singular values. Each of the 5 steps rounds its product operands (X, A = X X^T
+# and b A + c A A) and its result to bfloat16, a relative error of at most u = 2^-8 each,
+# and sums in float32. A later step can grow an earlier error by the quintic's slope
+# (|p'| <= 3.9 on the band [0.68, 1.2] where the singular values oscillate), so the
+# worst case of first-order analysis, ~u * sum_k 3.9^k ~ 300 u ~ 1.2, says nothing; the
+# roundings are independent and mostly cancel: over 360 random draws (2 to 129 rows and
+# columns, banks of 1 to 4, the spectra below) the largest relative Frobenius distance
+# measured was 0.066 (17 u; median 0.022, 6 u) and the largest singular-value distance
+# 0.098 (one singular value of a [28, 3] matrix, which has no others to average with;
+# median 0.025). The bounds are those, with room for the draws hypothesis finds: 0.1
+# (26 u) and 0.15, both far inside what the float32 iteration itself leaves of the true
+# polar factor (its singular values spread over [0.68, 1.13] around 1). The same
+# iteration with its products rounded to bfloat16 too (no float32 accumulation, as in
+# Muon's reference code) measured a median distance 2.5x ours (40 draws).
+NS_BF16_REL_FROBENIUS = 0.1
+NS_BF16_SINGULAR_VALUES = 0.15
+
+
+@jax.jit
+def _ns_float32_and_bfloat16(x):
+  """Both iterations of `x`, compiled once per shape (op by op would compile every
+  primitive for every shape)."""
+  from skewadam_jax.estimators import orthogonal
+  return (orthogonal.newton_schulz(x, ns_dtype='float32'),
+          orthogonal.newton_schulz(x, ns_dtype='bfloat16'))
+
+
+def _ns_bf16_distances(x):
+  """(relative Frobenius distance, largest singular-value distance) per matrix of `x`."""
+  want, got = _ns_float32_and_bfloat16(x)
+  want = np.asarray(want, np.float64)
+  assert got.dtype == jnp.bfloat16 and got.shape == x.shape
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  rel = np.linalg.norm(got - want, axis=(-2, -1)) / np.linalg.norm(want, axis=(-2, -1))
+  sv = np.abs(np.linalg.svd(got, compute_uv=False) - np.linalg.svd(want, compute_uv=False))
+  return rel, sv.max(axis=-1)
+
+
+# Wide, tall, square, thin (3 columns: one singular value has none to average with),
+# an expert bank [E, R, C] and a bank of scanned layers [L, E, R, C]. A few
+# shapes, so that the draws (the spectra, the values) share their compiles.
+NS_BF16_SHAPES = ((20, 48), (48, 20), (32, 32), (28, 3), (4, 12, 40), (2, 3, 7, 9))
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.sampled_from(NS_BF16_SHAPES),
+       spectrum=st.sampled_from(['gaussian', 'decaying rows', 'decaying columns', 'scaled']),
+       seed=st.integers(0, 2**16))
+def test_bfloat16_newton_schulz_is_within_its_bound_of_float32(shape, spectrum, seed):
+  # A Gaussian spectrum, one decaying over three decades along the rows or the columns
+  # (the small singular values, which the iteration grows most), or a scale from 1e-6
+  # to 1e6.
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape)
+  if spectrum == 'decaying rows':
+    x = x * np.geomspace(1, 1e-3, shape[-2])[:, None]
+  elif spectrum == 'decaying columns':
+    x = x * np.geomspace(1, 1e-3, shape[-1])
+  elif spectrum == 'scaled':
+    x = x * 10.0 ** rng.uniform(-6, 6)
+  rel, sv = _ns_bf16_distances(jnp.asarray(x, jnp.float32))
+  assert np.all(rel <= NS_BF16_REL_FROBENIUS), rel
+  assert np.all(sv <= NS_BF16_SINGULAR_VALUES), sv
+
+
+def test_bfloat16_iteration_multiplies_bfloat16_and_accumulates_in_float32():
+  from skewadam_jax.estimators import orthogonal
+  x = jnp.ones((3, 6, 10), jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda x: orthogonal.newton_schulz(x, ns_dtype='bfloat16'))(x)
+  dots = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
+  assert len(dots) == 3 * 5
+  for e in dots:
+    assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars)
+    assert e.params['preferred_element_type'] == jnp.float32
+  # The float32 iteration holds no bfloat16 at all.
+  jaxpr = jax.make_jaxpr(lambda x: orthogonal.newton_schulz(x, ns_dtype='float32'))(x)
+  assert all(v.aval.dtype == jnp.float32 for e in jaxpr.eqns for v in e.outvars)
+
+
+def test_auto_ns_dtype_is_float32_on_cpu_and_bfloat16_on_gpu_and_tpu(monkeypatch):
+  # Decided when the update is traced: from a concrete array's devices, else (under
+  # `jit`) from the default backend.
+  from skewadam_jax.estimators import orthogonal
+  x = jnp.ones((4, 6))
+  assert orthogonal.iteration_dtype('auto', x) == jnp.float32
+  assert orthogonal.iteration_dtype('bfloat16', x) == jnp.bfloat16
+  for backend, want in (('gpu', jnp.bfloat16), ('tpu', jnp.bfloat16), ('cpu', jnp.float32)):
+    monkeypatch.setattr(jax, 'default_backend', lambda b=backend: b)
+    traced = jax.jit(lambda y: orthogonal.newton_schulz(y, ns_dtype='auto'))
+    assert traced.eval_shape(x).dtype == want, backend
+    assert orthogonal.iteration_dtype('auto') == want
+    # A concrete array's devices win over the default backend: this one is on the CPU.
+    assert orthogonal.iteration_dtype('auto', x) == jnp.float32
+
+
+def test_auto_ns_dtype_gives_the_float32_update_bitwise_on_cpu():
+  shapes = {'bank': (4, 12, 20), 'w': (20, 12)}
+  axes = {'bank': (0,), 'w': ()}
+
+  def run(ns_dtype):
+    tier = HIDDEN.replace(second_moment=sj.Orthogonal(ns_dtype=ns_dtype))
+    tx = sj.scale_by_tiered_adam(tier=tier, batch_axes=axes)
+    state = tx.init({k: jnp.zeros(s) for k, s in shapes.items()})
+    grads = {k: jnp.asarray(_grads(i, s), jnp.float32) for i, (k, s) in enumerate(shapes.items())}
+    return jax.jit(tx.update)(grads, state)[0]
+
+  auto, f32, bf16 = run('auto'), run('float32'), run('bfloat16')
+  for k in shapes:
+    np.testing.assert_array_equal(np.asarray(auto[k]), np.asarray(f32[k]))
+    # Through the tier (a shared call, then the RMS scale): the update in bfloat16 is
+    # within the iteration's bound of float32's, and float32 itself.
+    assert bf16[k].dtype == jnp.float32
+    got, want = np.asarray(bf16[k], np.float64), np.asarray(f32[k], np.float64)
+    assert np.linalg.norm(got - want) <= NS_BF16_REL_FROBENIUS * np.linalg.norm(want)
+    assert not np.array_equal(got, want)
+
+
+def test_leaves_of_another_ns_dtype_never_share_an_iteration():
+  # The same matrix shape in a float32 and a bfloat16 tier: two shared calls (3 dots per
+  # iteration each), not one.
+  tiers = {'a': HIDDEN.replace(second_moment=sj.Orthogonal(ns_dtype='float32')),
+           'b': HIDDEN.replace(second_moment=sj.Orthogonal(ns_dtype='bfloat16'))}
+  params = {'a': jnp.zeros((12, 20)), 'b': jnp.zeros((12, 20))}
+  tx = sj.scale_by_tiers(tiers, lambda p: {'a': 'a', 'b': 'b'})
+  grads = {k: jnp.asarray(_grads(0, (12, 20)), jnp.float32) for k in params}
+  jaxpr = jax.make_jaxpr(tx.update)(grads, tx.init(params))
+  dots = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
+  assert len(dots) == 2 * 3 * HIDDEN_NS_STEPS
+  assert sum(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots) == 3 * HIDDEN_NS_STEPS

@@ -61,6 +61,10 @@ warmup + cosine learning-rate schedule. Names:
   library).
 * `skewadam-muon-coded-4bit-experts-fp32-hidden`: the hidden tier's momentum in fp32 (a
   diagnostic: what the hidden tier's codes cost).
+* `skewadam-muon-coded-6bit-8bit-backbone-nearest-min4096-ns-float32` and `-ns-bfloat16`:
+  `sj.MUON_CODED_TIERS` with every Newton-Schulz iteration in that dtype
+  (`sj.Orthogonal(ns_dtype=...)`; the preset's 'auto' is float32 on CPU, bfloat16 on GPU
+  and TPU).
 * any of the Muon policies with `-adam0.3` or `-adam0.1` appended: its Adam-like tiers
   (embeddings, norms, router: `backbone`, `router`) at that fraction of the lr.
 * `adamw`, `adampm` (group size 8 along the last axis), `adampm-input-axis` (the same,
@@ -182,6 +186,9 @@ _SCALABLE = ('skewadam-muon-orthogonal-experts', 'skewadam-muon-expert-momentum'
              'skewadam-muon-coded-8bit', 'skewadam-muon-coded-4bit',
              'skewadam-muon-coded-4bit-experts')
 OPTIMIZERS += tuple(f'{b}-adam{s}' for b in _SCALABLE for s in ADAM_SCALES)
+# The recommended policy with its Newton-Schulz dtype named (`-ns-<dtype>`).
+NS_DTYPES = ('float32', 'bfloat16')
+OPTIMIZERS += tuple(f'{RECOMMENDED}-ns-{d}' for d in NS_DTYPES)
 DEFAULT_LR = {
     'skewadam': ADAM_LR, 'adampm': ADAM_LR, 'adampm-input-axis': ADAM_LR, 'adamw': ADAM_LR,
     'adafactor': ADAM_LR,
@@ -221,8 +228,19 @@ CODED_4BIT_TIERS = dict(
         mu_codec=sj.Blockwise(4, 64, 'linear', fit='nearest', rounding='stochastic')))
 
 
+def with_ns_dtype(tier: sj.Tier, ns_dtype: str) -> sj.Tier:
+  """`tier` with its orthogonal estimator (and none other) iterating in `ns_dtype`."""
+  est = tier.estimator
+  if not isinstance(est, sj.Orthogonal):
+    return tier
+  return tier.replace(second_moment=dataclasses.replace(est, ns_dtype=ns_dtype))
+
+
 def skewadam_tiers(name: str) -> dict[str, sj.Tier]:
   """The tier policy of `skewadam` or one of its ablations."""
+  ns = re.fullmatch(r'(.+)-ns-(float32|bfloat16)', name)
+  if ns:
+    return {k: with_ns_dtype(t, ns.group(2)) for k, t in skewadam_tiers(ns.group(1)).items()}
   scaled = re.fullmatch(r'(.+)-adam([0-9.]+)', name)
   if scaled:
     base, scale = skewadam_tiers(scaled.group(1)), float(scaled.group(2))

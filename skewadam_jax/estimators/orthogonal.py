@@ -92,12 +92,29 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   transposed = x.shape[-2] > x.shape[-1]
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
+  x = _whole_matrices(x)
   norm = _xla.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
   x = x / (norm + eps)
   for _ in range(steps):
     gram = x @ jnp.swapaxes(x, -1, -2)
-    x = a * x + (b * gram + c * gram @ gram) @ x
+    x = _whole_matrices(a * x + (b * gram + c * gram @ gram) @ x)
   return jnp.swapaxes(x, -1, -2) if transposed else x
+
+
+def _whole_matrices(x: jax.Array) -> jax.Array:
+  """`x` asked to be whole (replicated) on its two matrix axes under an Auto mesh.
+
+  Under Auto axes XLA's propagation would otherwise keep the iterate sharded as its
+  input was and gather it again for every Gram product, every iteration. The mesh
+  must be in context (`jax.set_mesh`), which is also where the other axes stay XLA's
+  choice; under Explicit axes `Orthogonal.prepare` already gathered the matrices, and
+  with no mesh (or inside `shard_map`) there is nothing to ask.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not mesh.are_all_axes_auto:
+    return x
+  free = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 2)
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(*free, None, None))
 
 
 def wide(shape: tuple[int, ...]) -> tuple[int, int]:

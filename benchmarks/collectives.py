@@ -51,6 +51,9 @@ from _common import RESULTS
 KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
 LAYOUTS = ('fsdp', 'tp', 'ep')
 MESHES = ('explicit', 'auto', 'auto-unset')
+MESH_TITLES = {'explicit': 'Explicit mesh (jax.set_mesh)',
+               'auto': 'Auto mesh, set in context (jax.set_mesh)',
+               'auto-unset': 'Auto mesh, jit shardings only (no mesh in context)'}
 OPTIMIZERS = ('adamw', 'muon', 'skewadam', 'skewadam-muon', 'skewadam-muon-coded', 'adampm')
 MUON_PRESETS = ('skewadam-muon', 'skewadam-muon-coded')
 LABELS = {'adamw': 'optax.adamw', 'muon': 'optax.contrib.muon',
@@ -325,12 +328,13 @@ def plot(records: list[dict[str, Any]], path) -> None:
           ax.text(x, 1, 'error', rotation=90, ha='center', va='bottom', fontsize=7)
     ax.set_xticks(range(len(layouts)), layouts)
     ax.set_yscale('log')
-    ax.set_title(f'{mesh.capitalize()} mesh, 8 CPU devices')
+    ax.set_title(MESH_TITLES[mesh])
     ax.grid(axis='y', alpha=0.3)
   axes[0][0].set_ylabel('collective bytes per step and device (log; 1 = none)')
-  axes[0][-1].legend(fontsize=7)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc='lower center', ncol=len(opts), fontsize=8)
   fig.suptitle('Collectives of one optimizer step (update + apply), compiled HLO')
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
   fig.savefig(path, dpi=120)
   plt.close(fig)
 

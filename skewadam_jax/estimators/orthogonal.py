@@ -223,6 +223,7 @@ class Orthogonal(_second_moment.SecondMoment):
   fallback: Optional[_second_moment.SecondMoment] = None
   batch_axes: Optional[tuple[int, ...]] = None
   name = 'orthogonal'
+  reduces_matrices = True
 
   def __post_init__(self):
     if self.rms_scale is not None and not (_checks.is_concrete_number(self.rms_scale)

@@ -296,11 +296,16 @@ def update_leaf(tier: Tier, estimator: _second_moment.SecondMoment, b1: Any, b2:
     return u.astype(g.dtype if dtype is None else dtype), (
         {'mu': state, **new} if tier.momentum else dict(new))
 
+  if estimator.reduces_matrices or tier.clip_threshold is not None:  # inside shard_map
+    _second_moment.check_whole_matrices(path, (g, x), _second_moment.Layout.of(
+        g.ndim, _second_moment.normalise_batch_axes(batch_axes, tuple(g.shape), path)),
+        f'its {estimator.name} update' if estimator.reduces_matrices else 'its RMS clip')
   # Only the built-in update is split (a subclass that overrides `update` runs whole).
   if defer and isinstance(estimator, _orthogonal.Orthogonal) and (
       type(estimator).update is _orthogonal.Orthogonal.update):
     mats, finish = estimator.prepare(x, step)
-    if _blocks.explicit_spec(mats) is not None:  # a sharded batch: iterated where it lies
+    # A sharded batch (Explicit, or varying inside shard_map): iterated where it lies.
+    if _blocks.explicit_spec(mats) is not None or _second_moment.varying_axes(mats):
       return end(finish(_orthogonal.newton_schulz(mats, *estimator.iteration)), {})
     return Deferred(mats, (_orthogonal.wide(mats.shape), estimator.iteration), estimator,
                     lambda o: end(finish(o), {}))

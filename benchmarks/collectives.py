@@ -14,9 +14,11 @@ A leaf whose axis does not divide by 8 stays replicated on it. Optimizers: SkewA
 `PUBLISHED_TIERS`, `MUON_TIERS` and `MUON_CODED_TIERS`, AdamPM (group 8), `optax.adamw`
 and `optax.contrib.muon`; Muon is given the matrices that `MUON_TIERS` orthogonalises
 (the hidden matrices and the expert banks, as batches of `[d, f]`) and runs Adam on the
-rest, so both orthogonalise the same matrices. On an Explicit mesh the shardings are
-the arrays' types (`jax.jit(tx.init)` places the state); on an Auto mesh the state's
-shardings come from `sj.state_shardings` and go to `jit` as in/out shardings.
+rest, so both orthogonalise the same matrices. Meshes (`MESHES`): `explicit`, the
+shardings in the arrays' types (`jax.jit(tx.init)` places the state), under
+`jax.set_mesh`; `auto`, Auto axes with the state's shardings from `sj.state_shardings`
+given to `jit` as in/out shardings, under `jax.set_mesh`; `auto-unset`, the same
+without a mesh in context (the library then cannot name the mesh).
 
 How collectives are counted: every instruction whose opcode is a collective (or its
 asynchronous `-start`; a `-done` is not counted again) in the ENTRY computation and in

@@ -110,8 +110,9 @@ def _whole_matrices(x: jax.Array) -> jax.Array:
   choice; under Explicit axes `Orthogonal.prepare` already gathered the matrices, and
   with no mesh (or inside `shard_map`) there is nothing to ask.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not mesh.are_all_axes_auto:
+  get_mesh = getattr(jax.sharding, 'get_abstract_mesh', None)  # jax >= 0.6
+  mesh = None if get_mesh is None else get_mesh()
+  if mesh is None or mesh.empty or not getattr(mesh, 'are_all_axes_auto', False):
     return x
   free = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 2)
   return jax.lax.with_sharding_constraint(x, PartitionSpec(*free, None, None))

@@ -16,7 +16,7 @@ estimator asks XLA for whole matrices), or `shard_map` (`tx.update` inside
 `jax.shard_map` with the params' specs and `sj.state_shardings`' specs for the state:
 each device updates its blocks). Inside `shard_map` the library cannot see which axis
 of a block is split, so the generator shards only the batch axes of expert banks and
-stacks there (and, in half of its cases, replicates the other leaves, as expert
+stacks there (and, in two cases of three, replicates the other leaves, as expert
 parallelism does); a leaf without batch axes whose tier reduces over whole matrices
 (factored or orthogonal statistics, the RMS clip) and is sharded at all must raise the
 library's ValueError (`shard_map_refusals`), and every other case must match one device.
@@ -288,7 +288,7 @@ def run_case(case: Case) -> dict[str, Any]:
 
 def cases(max_devices: int = 8, modes: tuple[str, ...] = ('jit',), resume: bool = False):
   """A hypothesis strategy of `Case`s: 1-3 mesh axes over 1..max_devices devices, run in
-  one of `modes` (`set_mesh` draws an Auto mesh); with `resume`, about half of them
+  one of `modes` (`set_mesh` draws an Auto mesh); with `resume`, a drawn part of them
   check an Orbax resume."""
   from hypothesis import strategies as st  # noqa: PLC0415
 
@@ -325,7 +325,8 @@ def cases(max_devices: int = 8, modes: tuple[str, ...] = ('jit',), resume: bool 
       specs[name] = tuple(spec)
     mode = draw(st.sampled_from(modes))
     if mode == 'shard_map':  # only batch axes of banks and stacks (module doc)
-      local = draw(st.booleans())  # expert parallelism: the other leaves replicated
+      # Expert parallelism (the other leaves replicated) in 2 cases of 3: the rest refuse.
+      local = draw(st.sampled_from((True, True, False)))
       for name, spec in specs.items():
         batch = KINDS[name.split('_')[0]][1]
         if batch or local:

@@ -4,7 +4,7 @@
   python tests/mesh_runs.py generate N SEED OUT   # N cases of mesh_cases.cases()
   python tests/mesh_runs.py both N SEED OUT       # both, in one process
   python tests/mesh_runs.py modes N SEED OUT      # N cases under jax.set_mesh (Auto) or
-                                                  # inside shard_map, about half resumed
+                                                  # inside shard_map, some resumed
                                                   # from an Orbax checkpoint
   python tests/mesh_runs.py fast N M SEED OUT     # issue, N of generate, M of modes
 

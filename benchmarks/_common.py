@@ -134,6 +134,39 @@ _HLO_FREE = frozenset({'parameter', 'tuple', 'get-tuple-element', 'bitcast', 'co
                        'after-all', 'partition-id', 'replica-id', 'opt-barrier'})
 
 
+_HLO_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$')
+# The computations an instruction runs: a loop's body and condition, a fusion's or an
+# async op's callee, a reduction's combiner, a call's target.
+HLO_CALLED = re.compile(r'(body|condition|calls|to_apply)=%?([\w.\-]+)')
+# XLA's annotation of a `while` whose trip count it proved constant.
+HLO_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def hlo_computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str]:
+  """The computations of an HLO module's text, each as its parsed instructions.
+
+  Returns:
+    `({name: [(instruction, type, opcode, rest of the line), ...]}, entry's name)`.
+  """
+  comps: dict[str, list[tuple[str, str, str, str]]] = {}
+  entry = current = None
+  for line in hlo_text.split('\n'):
+    if current is None:
+      m = _HLO_COMPUTATION.match(line)
+      if m:
+        current = m.group(1)
+        comps[current] = []
+        if line.startswith('ENTRY'):
+          entry = current
+    elif line.startswith('}'):
+      current = None
+    else:
+      m = _HLO_INSTR.match(line)
+      if m:
+        comps[current].append(m.groups())
+  return comps, entry
+
+
 def _hlo_type_bytes(type_text: str) -> int:
   total = 0
   for dtype, dims in _HLO_ARRAY.findall(type_text):

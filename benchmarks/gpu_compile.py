@@ -88,9 +88,8 @@ LAUNCH_S = 5e-6
 MEASURED = {'float32': _common.RESULTS / 'gpu' / 'step_time_gpu_float32.json',
             'bfloat16': _common.RESULTS / 'gpu' / 'step_time_gpu_bfloat16_f32state.json'}
 
-_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$')
-_CALLED = re.compile(r'(body|condition|calls|to_apply)=%?([\w.\-]+)')
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLED = _common.HLO_CALLED
+_TRIP = _common.HLO_TRIP
 _DIMS = re.compile(r'(?:bf16|f16|f32|f64|s8|u8|s32|u32|pred)\[([\d,]*)\]')
 
 
@@ -129,29 +128,8 @@ def hlo_costs(hlo_text: str) -> dict[str, int]:
   Returns:
     `{'bytes', 'kernels', 'flops'}`.
   """
-  comps: dict[str, list[str]] = {}
-  entry = None
-  current = None
-  for line in hlo_text.split('\n'):
-    if current is None:
-      m = _COMPUTATION.match(line)
-      if m:
-        current = m.group(1)
-        comps[current] = []
-        if line.startswith('ENTRY'):
-          entry = current
-    elif line.startswith('}'):
-      current = None
-    else:
-      comps[current].append(line)
-
-  def parse(name):
-    out = []
-    for line in comps.get(name, ()):
-      m = _common._HLO_INSTR.match(line)
-      if m:
-        out.append(m.groups())
-    return out
+  comps, entry = _common.hlo_computations(hlo_text)
+  parse = lambda name: comps.get(name, [])  # noqa: E731
 
   flops_memo: dict[str, int] = {}
 

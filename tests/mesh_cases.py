@@ -8,10 +8,27 @@ steps on fixed gradients on one device and on the mesh and compares: updates wit
 placed as its parameter (Explicit), the state placed as `sj.state_shardings` says.
 Where blocks or groups would straddle shards, both meshes must raise the library's
 ValueError (from `sj.state_shardings`; on an Explicit mesh from `init` too).
+
+A case's `mode` says how the update runs on the mesh: `jit` (Explicit: under
+`jax.set_mesh`, shardings in the types; Auto: `jit` in/out shardings, no mesh in
+context), `set_mesh` (Auto: the same under `jax.set_mesh`, where the orthogonal
+estimator asks XLA for whole matrices), or `shard_map` (`tx.update` inside
+`jax.shard_map` with the params' specs and `sj.state_shardings`' specs for the state:
+each device updates its blocks). Inside `shard_map` the library cannot see which axis
+of a block is split, so the generator shards only the batch axes of expert banks and
+stacks there (and, in two cases of three, replicates the other leaves, as expert
+parallelism does); a leaf without batch axes whose tier reduces over whole matrices
+(factored or orthogonal statistics, the RMS clip) and is sharded at all must raise the
+library's ValueError (`shard_map_refusals`), and every other case must match one device.
+With `resume`, the state is saved after the first step with Orbax on the mesh,
+restored onto `sj.sharded_abstract_state` and trained on: the updates and the final
+state must be bitwise those of the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from typing import Any, NamedTuple
 
 import jax
@@ -50,6 +67,12 @@ class Case(NamedTuple):
   shapes: dict[str, tuple[int, ...]]  # leaf name -> shape; the kind is the name's prefix
   specs: dict[str, tuple[Any, ...]]  # leaf name -> spec entries
   seed: int
+  mode: str = 'jit'  # one of MODES (module doc)
+  resume: bool = False  # save after step 1 with Orbax, restore, continue (module doc)
+
+
+MODES = ('jit', 'set_mesh', 'shard_map')
+SHARD_MAP_WORDS = ('inside shard_map', 'reduces over whole matrices')
 
 
 AXES = ('a', 'b', 'c')
@@ -89,13 +112,33 @@ def host_arrays(case: Case) -> tuple[dict[str, np.ndarray], list[dict[str, np.nd
   return params, grads
 
 
-def _train(tx, params, grads, state):
-  update = jax.jit(tx.update)
+def _train(tx, params, grads, state, update=None, between=None):
+  """`update` (default `jit(tx.update)`) on each gradient; `between(state)` after the
+  first step, if given, replaces the state (a checkpoint's round trip)."""
+  update = jax.jit(tx.update) if update is None else update
   updates = []
-  for g in grads:
+  for i, g in enumerate(grads):
     u, state = update(g, state, params)
     updates.append(u)
+    if i == 0 and between is not None:
+      state = between(state)
   return updates, state
+
+
+def _orbax_round_trip(tx, params, p_sh):
+  """`state -> state` saved with Orbax in a temporary folder and restored onto
+  `sj.sharded_abstract_state` (the shardings the params' give the state)."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  target = sj.sharded_abstract_state(tx, jax.eval_shape(lambda: params), p_sh)
+
+  def between(state):
+    with tempfile.TemporaryDirectory() as root:
+      ckptr = ocp.StandardCheckpointer()
+      ckptr.save(f'{root}/1', state)
+      ckptr.wait_until_finished()
+      return ocp.StandardCheckpointer().restore(f'{root}/1', target)
+  return between
 
 
 def single(case: Case) -> tuple[list[Any], Any]:
@@ -117,25 +160,56 @@ def sharded(case: Case) -> tuple[list[Any], Any, dict[str, Any]]:
   p_sh = {k: NamedSharding(mesh, P(*s)) for k, s in case.specs.items()}
   want = sj.state_shardings(tx, params, p_sh)  # raises on a straddle, any mesh type
   facts: dict[str, Any] = {}
-  if case.explicit:
-    with jax.set_mesh(mesh):
-      params, grads = jax.device_put((params, grads), (p_sh, [p_sh] * len(grads)))
+  in_context = case.explicit or case.mode in ('set_mesh', 'shard_map')
+  with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
+    params, grads = jax.device_put((params, grads), (p_sh, [p_sh] * len(grads)))
+    if case.explicit:
       state = jax.jit(tx.init)(params)
       facts['state_specs_match'] = all(
           _same_spec(a.sharding.spec, b.spec, a.ndim)
           for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)))
-      updates, state = _train(tx, params, grads, state)
+    else:
+      state = jax.jit(tx.init, out_shardings=want)(params)
+    if case.mode == 'shard_map':
+      p_specs = {k: P(*s) for k, s in case.specs.items()}
+      s_specs = jax.tree.map(lambda sh: sh.spec, want)
+      update = jax.jit(jax.shard_map(tx.update, mesh=mesh, in_specs=(p_specs, s_specs, p_specs),
+                                     out_specs=(p_specs, s_specs)))
+    elif case.explicit:
+      update = jax.jit(tx.update)
+    else:
+      update = jax.jit(tx.update, in_shardings=(p_sh, want, p_sh), out_shardings=(p_sh, want))
+    start = state
+    updates, state = _train(tx, params, grads, state, update)
+    if case.explicit:
       facts['update_specs_match'] = all(
           _same_spec(u[k].sharding.spec, p_sh[k].spec, u[k].ndim) for u in updates for k in u)
-  else:
-    params, grads = jax.device_put((params, grads), (p_sh, [p_sh] * len(grads)))
-    state = jax.jit(tx.init, out_shardings=want)(params)
-    update = jax.jit(tx.update, in_shardings=(p_sh, want, p_sh), out_shardings=(p_sh, want))
-    updates = []
-    for g in grads:
-      u, state = update(g, state, params)
-      updates.append(u)
+    if case.resume:
+      again = _train(tx, params, grads, start, update, _orbax_round_trip(tx, params, p_sh))
+      facts['resumed_bitwise'] = all(
+          np.array_equal(np.asarray(a), np.asarray(b))
+          for a, b in zip(jax.tree.leaves((updates, state)), jax.tree.leaves(again)))
   return updates, state, facts
+
+
+def shard_map_refusals(case: Case) -> set[str]:
+  """The leaves the library must refuse inside `shard_map`: sharded, with no batch axes,
+  under a tier that reduces over whole matrices (its estimator's statistics or
+  orthogonalisation, or its RMS clip). AdamPM's pooling and Adam's rule are local."""
+  if case.mode != 'shard_map' or case.preset == 'adampm':
+    return set()
+  tiers = {'published': sj.PUBLISHED_TIERS, 'muon': sj.MUON_TIERS,
+           'muon_coded': sj.MUON_CODED_TIERS}[case.preset]
+  labels, axes = labels_and_axes(case)
+  out = set()
+  for name, shape in case.shapes.items():
+    if axes[name] or all(e is None for e in case.specs[name]):
+      continue
+    tier = tiers[labels[name]]
+    if (tier.estimator.for_leaf(shape, axes[name]).reduces_matrices
+        or tier.clip_threshold is not None):
+      out.add(name)
+  return out
 
 
 def _same_spec(a: Any, b: Any, ndim: int) -> bool:
@@ -179,10 +253,14 @@ STRADDLE_WORDS = ('straddle', 'whole blocks')
 
 def run_case(case: Case) -> dict[str, Any]:
   """One case end to end (see the module doc); raises AssertionError on a mismatch."""
+  refusals = shard_map_refusals(case)
   try:
     got = sharded(case)
   except ValueError as e:
     msg = str(e)
+    if all(w in msg for w in SHARD_MAP_WORDS):
+      assert msg.split(':')[0] in refusals, f'refused {msg[:200]}; expected {sorted(refusals)}'
+      return {'straddle': False, 'refused': True}
     assert any(w in msg for w in STRADDLE_WORDS), f'not the library message: {msg[:300]}'
     if case.explicit:  # jit(tx.init) must raise the same message as state_shardings
       tx, mesh = make_tx(case), make_mesh(case)
@@ -196,17 +274,22 @@ def run_case(case: Case) -> dict[str, Any]:
         else:
           raise AssertionError('init ran where sj.state_shardings raised') from None
     return {'straddle': True}
+  assert not refusals, f'ran inside shard_map with {sorted(refusals)} sharded'
   facts = got[2]
   assert facts.get('state_specs_match', True), 'state placed unlike sj.state_shardings'
   assert facts.get('update_specs_match', True), 'an update not placed as its parameter'
-  return {'straddle': False, **compare(case, got[:2], single(case))}
+  assert facts.get('resumed_bitwise', True), 'the resumed run differs from the uninterrupted'
+  return {'straddle': False, 'refused': False, 'resumed': 'resumed_bitwise' in facts,
+          **compare(case, got[:2], single(case))}
 
 
 # ------------------------------------------------------------------------ the generator
 
 
-def cases(max_devices: int = 8):
-  """A hypothesis strategy of `Case`s: 1-3 mesh axes over 1..max_devices devices."""
+def cases(max_devices: int = 8, modes: tuple[str, ...] = ('jit',), resume: bool = False):
+  """A hypothesis strategy of `Case`s: 1-3 mesh axes over 1..max_devices devices, run in
+  one of `modes` (`set_mesh` draws an Auto mesh); with `resume`, a drawn part of them
+  check an Orbax resume."""
   from hypothesis import strategies as st  # noqa: PLC0415
 
   @st.composite
@@ -240,8 +323,18 @@ def cases(max_devices: int = 8):
         spec.append(None if not names or dim % count else
                     names[0] if len(names) == 1 else tuple(names))
       specs[name] = tuple(spec)
-    return Case(tuple(sizes), draw(st.booleans()), draw(st.sampled_from(sorted(PRESETS))),
-                shapes, specs, draw(st.integers(0, 2**16)))
+    mode = draw(st.sampled_from(modes))
+    if mode == 'shard_map':  # only batch axes of banks and stacks (module doc)
+      # Expert parallelism (the other leaves replicated) in 2 cases of 3: the rest refuse.
+      local = draw(st.sampled_from((True, True, False)))
+      for name, spec in specs.items():
+        batch = KINDS[name.split('_')[0]][1]
+        if batch or local:
+          specs[name] = tuple(e if a in batch else None for a, e in enumerate(spec))
+    explicit = False if mode == 'set_mesh' else draw(st.booleans())
+    return Case(tuple(sizes), explicit, draw(st.sampled_from(sorted(PRESETS))),
+                shapes, specs, draw(st.integers(0, 2**16)), mode,
+                draw(st.booleans()) if resume else False)
 
   return draw()
 

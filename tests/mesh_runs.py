@@ -3,6 +3,10 @@
   python tests/mesh_runs.py issue OUT             # the three failures of Explicit meshes
   python tests/mesh_runs.py generate N SEED OUT   # N cases of mesh_cases.cases()
   python tests/mesh_runs.py both N SEED OUT       # both, in one process
+  python tests/mesh_runs.py modes N SEED OUT      # N cases under jax.set_mesh (Auto) or
+                                                  # inside shard_map, some resumed
+                                                  # from an Orbax checkpoint
+  python tests/mesh_runs.py fast N M SEED OUT     # issue, N of generate, M of modes
 
 One process runs every case (compiling is most of the time; starting JAX once is the
 rest). Each mode writes OUT/<mode>.json; `generate` fails (hypothesis prints the
@@ -44,18 +48,23 @@ def issue() -> dict:
   return out
 
 
-def generate(n: int, seed: int) -> dict:
+MODES = ('set_mesh', 'shard_map')  # the `modes` runner's (`generate`: jit)
+
+
+def generate(n: int, seed: int, modes: tuple[str, ...] = ('jit',), resume: bool = False
+             ) -> dict:
   from hypothesis import given, HealthCheck, Phase, seed as hseed, settings  # noqa: PLC0415
   done: list[dict] = []
 
   @hseed(seed)
   @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
             suppress_health_check=list(HealthCheck))
-  @given(case=mc.cases())
+  @given(case=mc.cases(modes=modes, resume=resume))
   def check(case: mc.Case) -> None:
     start = time.perf_counter()
     result = mc.run_case(case)
     done.append({**result, 'preset': case.preset, 'explicit': case.explicit,
+                 'mode': case.mode, 'resume': case.resume,
                  'devices': int(jax.numpy.prod(jax.numpy.array(case.mesh_shape))),
                  'axes': len(case.mesh_shape), 'seconds': time.perf_counter() - start})
 
@@ -66,8 +75,13 @@ def generate(n: int, seed: int) -> dict:
 def main(argv: list[str]) -> None:
   warnings.simplefilter('ignore')  # label warnings: the cases label every leaf on purpose
   mode, out = argv[0], Path(argv[-1])
-  if mode == 'both':  # the fast tier: one process for the issue's cases and N generated
+  if mode == 'both':  # one process for the issue's cases and N generated
     result = {'issue': issue(), **generate(int(argv[1]), int(argv[2]))}
+  elif mode == 'fast':  # the fast tier: the issue's cases, N generated, M in other modes
+    result = {'issue': issue(), **generate(int(argv[1]), int(argv[3])),
+              'modes': generate(int(argv[2]), int(argv[3]), MODES, resume=True)['cases']}
+  elif mode == 'modes':
+    result = generate(int(argv[1]), int(argv[2]), MODES, resume=True)
   else:
     result = issue() if mode == 'issue' else generate(int(argv[1]), int(argv[2]))
   result['devices'] = len(jax.devices())

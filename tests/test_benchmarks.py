@@ -245,3 +245,72 @@ def test_codec_compile_times_the_coded_leaves_of_the_policy():
   assert one['leaves'] == one['shapes'] == coded['shapes'] == len(shapes)
   assert plain['hlo_instructions'] < one['hlo_instructions'] < coded['hlo_instructions']
   assert all(s['compile_cpu_s'] > 0 for s in samples.values())
+
+
+_LOOP_HLO = '''HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %x = f32[4,8] get-tuple-element(%p), index=1
+  %g = f32[32,8] all-gather(%x), dimensions={0}, metadata={op_name="jit(f)/dot_general"}
+  %r = f32[4,8] all-reduce(%x), to_apply=%add
+  ROOT %t = (s32[], f32[4,8]) tuple(%i, %r)
+}
+
+%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8] parameter(0)
+  %w = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body, TRIP
+  %v = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body
+  ROOT %s = (f32[4,8], f32[16,8]) all-gather-start(%x), dimensions={0}
+}
+'''.replace('TRIP', 'backend_config={"known_trip_count":{"n":"5"}}')
+
+
+def test_collectives_count_a_loop_body_once_per_trip():
+  import collectives
+  got = collectives.hlo_collectives(_LOOP_HLO)
+  # 5 trips + 1 (the loop without a trip count, listed) + the async start outside.
+  assert got['all-gather']['count'] == 5 + 1 + 1
+  assert got['all-gather']['bytes'] == 6 * 32 * 8 * 4 + 16 * 8 * 4  # start: its result
+  assert got['all-reduce'] == {'count': 6, 'bytes': 6 * 4 * 8 * 4}
+  assert got['loops_without_trip_count'] == ['v']
+  assert [o['op_name'] for o in got['ops']][:1] == ['jit(f)/dot_general']
+
+
+def test_collectives_script_gathers_each_sharded_matrix_once(tmp_path):
+  # benchmarks/collectives.py end to end on the unit tests' model (8 simulated CPU
+  # devices, a subprocess): MUON_TIERS on FSDP, on an Explicit mesh and on an Auto mesh
+  # set in context, where `Orthogonal` asks XLA for whole matrices through the
+  # iteration (without it XLA gathered every Gram product's operands, every iteration).
+  import os
+  import subprocess
+  root = Path(__file__).resolve().parents[1]
+  env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run(
+      [sys.executable, str(root / 'benchmarks' / 'collectives.py'), '--config', 'tiny',
+       '--layouts', 'fsdp', '--meshes', 'explicit', 'auto', '--optimizers', 'skewadam-muon',
+       '--results', str(tmp_path), '--out', 'c'],
+      env=env, cwd=root, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert '| fsdp | explicit | SkewAdam (MUON_TIERS) |' in proc.stdout
+  records = json.loads((tmp_path / 'c.json').read_text())['records']
+  assert (tmp_path / 'c.png').stat().st_size > 0
+  assert [r['mesh'] for r in records] == ['explicit', 'auto']
+  for r in records:
+    assert 'error' not in r, r
+    assert r['sharded_hidden_leaves'] == 14  # attention 4 x 2 blocks, dense MLP 3, banks 3
+    assert r['goal_one_gather'], r['all-gather']
+    assert r['all-gather']['bytes'] == r['sharded_hidden_bytes']  # each gathered whole once
+    assert r['loops_without_trip_count'] == []

@@ -68,10 +68,15 @@ class SecondMoment(abc.ABC):
       in errors). The tier then traces the update once per shape and caches the
       statistics' shapes per shape, as for the built-in `Exact`, `Factored` and
       `Grouped`; otherwise it traces `update` once per leaf.
+    reduces_matrices: whether `update` reduces over each matrix's axes (row and column
+      statistics, an orthogonalisation), so that it needs whole matrices: inside
+      `shard_map` a leaf of such an estimator with no batch axes must not vary over
+      the manual mesh axes (`check_whole_matrices`). False for elementwise rules.
   """
 
   name: str = 'second moment'
   per_shape: bool = False
+  reduces_matrices: bool = False
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> SecondMoment:
@@ -198,6 +203,44 @@ class Layout:
   def matrix_size(self, shape: tuple[int, ...]) -> int:
     """Elements per matrix of a leaf of `shape`."""
     return math.prod(shape[a] for a in self.matrix)
+
+
+def check_whole_matrices(path: str, arrays: tuple[jax.Array, ...], layout: Layout,
+                         what: str) -> None:
+  """Raises inside `shard_map` where a leaf's per-matrix reduction would see a block.
+
+  Inside `shard_map` each device holds its block of every argument sharded over a
+  manual mesh axis, and a value's type names the manual axes over which it varies
+  (`jax.typeof(x).manual_axis_type.varying`), not which of its axes is split. A leaf
+  with no batch axes that varies is split on a matrix axis (or is an unaveraged
+  gradient): `what` (an update that reduces over whole matrices) would reduce over the
+  local block, silently unlike one device. A leaf with batch axes may vary because its
+  batch is split (each device its own experts), which needs nothing whole, so it is
+  not checked.
+  """
+  if layout.batch:
+    return
+  varying = set()
+  for x in arrays:
+    varying |= varying_axes(x)
+  if varying:
+    raise ValueError(
+        f'{path}: inside shard_map this leaf varies over the manual mesh axes '
+        f'{sorted(varying)}, so each device holds only a block of it (or, replicated, a '
+        f'gradient not yet averaged), but {what} reduces over whole matrices. Shard only '
+        'the batch axes (experts, layers) of such leaves inside shard_map, average '
+        'replicated gradients first (jax.lax.pmean), or run the update under jax.jit with '
+        'the shardings, which gathers what it needs (docs/sharding.md).')
+
+
+def varying_axes(x: Any) -> set[str]:
+  """The manual mesh axes `x` varies over (empty outside `shard_map`)."""
+  try:
+    t = jax.typeof(x)
+  except (AttributeError, TypeError):
+    return set()
+  manual = getattr(t, 'manual_axis_type', None)  # jax >= 0.9; before it, `vma`
+  return set(getattr(manual, 'varying', None) or getattr(t, 'vma', None) or ())
 
 
 def clip_divisor(u_of: Callable[..., jax.Array], operands: tuple[Any, ...], layout: Layout,

@@ -151,11 +151,12 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   transposed = x.shape[-2] > x.shape[-1]
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
+  x = _whole_matrices(x)
   norm = _xla.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
   x = x / (norm + eps)
   for _ in range(steps):
     gram = x @ jnp.swapaxes(x, -1, -2)
-    x = a * x + (b * gram + c * gram @ gram) @ x
+    x = _whole_matrices(a * x + (b * gram + c * gram @ gram) @ x)
   return jnp.swapaxes(x, -1, -2) if transposed else x
 
 
@@ -168,18 +169,36 @@ def _newton_schulz_bfloat16(x: jax.Array, coeffs: tuple[float, float, float], st
     x = jnp.swapaxes(x, -1, -2)
   f = x.astype(jnp.float32)
   norm = _xla.sqrt(jnp.sum(f * f, axis=(-2, -1), keepdims=True))
-  x = (f / (norm + eps)).astype(jnp.bfloat16)
+  x = _whole_matrices((f / (norm + eps)).astype(jnp.bfloat16))
   for _ in range(steps):
     gram = _dot32(x, jnp.swapaxes(x, -1, -2))
     g16 = gram.astype(jnp.bfloat16)
     poly = b * gram + c * _dot32(g16, g16)
-    x = (a * x.astype(jnp.float32) + _dot32(poly.astype(jnp.bfloat16), x)).astype(jnp.bfloat16)
+    x = _whole_matrices((a * x.astype(jnp.float32)
+                         + _dot32(poly.astype(jnp.bfloat16), x)).astype(jnp.bfloat16))
   return jnp.swapaxes(x, -1, -2) if transposed else x
 
 
 def _dot32(p: jax.Array, q: jax.Array) -> jax.Array:
   """`p @ q` of bfloat16 operands, accumulated and returned in float32."""
   return jnp.matmul(p, q, preferred_element_type=jnp.float32)
+
+
+def _whole_matrices(x: jax.Array) -> jax.Array:
+  """`x` asked to be whole (replicated) on its two matrix axes under an Auto mesh.
+
+  Under Auto axes XLA's propagation would otherwise keep the iterate sharded as its
+  input was and gather it again for every Gram product, every iteration. The mesh
+  must be in context (`jax.set_mesh`), which is also where the other axes stay XLA's
+  choice; under Explicit axes `Orthogonal.prepare` already gathered the matrices, and
+  with no mesh (or inside `shard_map`) there is nothing to ask.
+  """
+  get_mesh = getattr(jax.sharding, 'get_abstract_mesh', None)  # jax >= 0.6
+  mesh = None if get_mesh is None else get_mesh()
+  if mesh is None or mesh.empty or not getattr(mesh, 'are_all_axes_auto', False):
+    return x
+  free = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 2)
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(*free, None, None))
 
 
 def wide(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -345,6 +364,7 @@ class Orthogonal(_second_moment.SecondMoment):
   batch_axes: Optional[tuple[int, ...]] = None
   ns_dtype: str = 'auto'
   name = 'orthogonal'
+  reduces_matrices = True
 
   def __post_init__(self):
     if self.rms_scale is not None and not (_checks.is_concrete_number(self.rms_scale)
@@ -399,7 +419,8 @@ class Orthogonal(_second_moment.SecondMoment):
     mats, finish = self.prepare(x, step)
     group = NewtonSchulzGroup(wide(mats.shape), self.iteration)
     return _second_moment.Shared(mats, group, finish,
-                                 alone=_blocks.explicit_spec(mats) is not None)
+                                 alone=(_blocks.explicit_spec(mats) is not None
+                                        or bool(_second_moment.varying_axes(mats))))
 
   def prepare(self, x: jax.Array, step: Step
               ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:

@@ -244,6 +244,10 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
     return u.astype(g.dtype if dtype is None else dtype), (
         {'mu': state, **new} if tier.momentum else dict(new))
 
+  if estimator.reduces_matrices or tier.clip_threshold is not None:  # inside shard_map
+    _second_moment.check_whole_matrices(path, (g, x), _second_moment.Layout.of(
+        g.ndim, leaf.batch_axes),
+        f'its {estimator.name} update' if estimator.reduces_matrices else 'its RMS clip')
   if defer:
     shared = estimator.shared(x, step)
     if shared is not None:

@@ -291,8 +291,9 @@ class NewtonSchulzGroup(_second_moment.SharedGroup):
 
   Attributes:
     wide: the matrices' `[R, C]`, turned wide (`wide`).
-    iteration: what fixes the iteration besides the shape: `(ns_coeffs, ns_steps, eps,
-      ns_dtype)` (`Orthogonal.iteration`).
+    iteration: what fixes the iteration besides the shape, `newton_schulz`'s arguments
+      after the matrices: `(ns_coeffs, ns_steps, eps, ns_dtype)` for `Orthogonal`
+      (`Orthogonal.iteration`), any leading part of it for an estimator of your own.
   """
   wide: tuple[int, int]
   iteration: tuple[Any, ...]
@@ -314,8 +315,7 @@ class NewtonSchulzGroup(_second_moment.SharedGroup):
     leaf (or `MIN_SHARED_ELEMENTS`)."""
     matrix = math.prod(padded_shape([m.shape for m in operands]))
     budget = max(MIN_SHARED_ELEMENTS, max(m.shape[0] * matrix for m in operands))
-    coeffs, steps, eps, ns_dtype = self.iteration
-    return newton_schulz_shared(list(operands), coeffs, steps, eps, ns_dtype,
+    return newton_schulz_shared(list(operands), *self.iteration,
                                 max_batch=max(1, budget // matrix), key=key)
 
   def run_one(self, operand: jax.Array) -> jax.Array:

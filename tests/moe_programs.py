@@ -104,7 +104,7 @@ MESH_AXES = ('data', 'fsdp', 'expert', 'model', 'tensor')
 KNOWN_FAILING: dict[str, frozenset[str]] = {
     # ViT's patch convolution (the input layer) and the MAP head's query bias [H, hd]
     # read as hidden matrices.
-    'traced': frozenset({'tokens:vit'}),
+    'traced': frozenset(),
     # ViT's [1, ...] tables read as stacked; `pre_logits` read as an output layer; a flat
     # layer's attention [H, hd, d] with H == E read as a bank.
     # A side of length V ends the hidden reading (`dims:f=V`); DenseGeneral kernels

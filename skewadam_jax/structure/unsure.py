@@ -161,11 +161,75 @@ def _bias_or_scale(leaves: list[_paths.Leaf]) -> list[str]:
           f'confirm it, e.g. {_rule_hint(leaf.path, leaf.tier)}']
 
 
+def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
+  """Leaves that shapes alone put in a bank although a size of theirs is no size of the
+  bank: the matrices of one bank share their widths (`[E, d, f]`, `[E, f, d]`, a bias
+  `[E, f]`, a fused `[E, d, 2f]`), so a member `[E, hd, d]` whose `hd` no other member
+  has is as well an attention kernel `[H, hd, d]` with `H == E`. Its tier is a guess;
+  it keeps it and is reported, with the rules that settle it."""
+  banks: dict[tuple[str, ...], list[_paths.Leaf]] = {}
+  for leaf in leaves:
+    if leaf.tier == 'experts' and leaf.source == 'structure' and leaf.count:
+      banks.setdefault(leaf.unit, []).append(leaf)
+  lines = []
+  for members in banks.values():
+    sizes = {x.path: [n for a, n in enumerate(x.core) if a != x.core.index(x.count)]
+             for x in members if x.count in x.core}
+    seen: dict[int, int] = {}
+    for widths in sizes.values():
+      for n in set(widths):
+        seen[n] = seen.get(n, 0) + 1
+    shared = {n for n, k in seen.items() if k > 1}
+    for leaf in members:
+      odd = [n for n in sizes.get(leaf.path, ()) if not (
+          n in shared or any(n in (2 * m, m // 2) for m in shared))]
+      if not odd or leaf.note:
+        continue
+      reason = (f'labelled {leaf.tier!r} from its shape (an axis of {leaf.count}, the '
+                f'bank beside it), but its width {odd[0]} is no other leaf of the bank: '
+                f'as well a dense kernel whose axis has that length by coincidence (heads '
+                f'== E)')
+      leaf.note = f'UNSURE: {reason}'
+      lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it is dense, label it: '
+                   f"{_rule_hint(leaf.path, 'backbone')}, or confirm it: "
+                   f'{_rule_hint(leaf.path, leaf.tier)}')
+  return lines + _two_banks(leaves)
+
+
+def _two_banks(leaves: list[_paths.Leaf]) -> list[str]:
+  """Banks of different expert counts that shapes alone found in one module, each beside
+  a router candidate of its own (`{router [d, E], w_in [E, d, f], wq [d, H, hd], w2 [f,
+  d]}` reads as a bank of E and a bank of d experts): at most one is, which no shape
+  tells; every such leaf keeps its guess and is reported."""
+  modules: dict[tuple[str, ...], list[_paths.Leaf]] = {}
+  for leaf in leaves:
+    if leaf.tier in ('experts', 'router') and leaf.source == 'structure':
+      modules.setdefault(leaf.segs[:-1], []).append(leaf)
+  lines = []
+  for module, members in modules.items():
+    counts = {x.count for x in members if x.tier == 'experts' and x.count}
+    if len(counts) < 2:
+      continue
+    found = [x for x in members if not x.note]
+    for leaf in found:
+      leaf.note = ('UNSURE: one of banks of ' + ' and '.join(map(str, sorted(counts)))
+                   + ' experts read from shapes in one module (see the warning)')
+    if found:
+      shown = ', '.join(f'{x.path} {list(x.shape)} ({x.tier})' for x in found)
+      lines.append(
+          f"{shown}: banks of {' and '.join(map(str, sorted(counts)))} experts, each "
+          f"beside a router candidate, read from shapes alone in {'/'.join(module)}: "
+          'at most one is a bank (a length shared by coincidence reads as another), '
+          'which no shape tells; labelled as shown; label the dense ones, e.g. '
+          f"{_rule_hint(found[0].path, 'backbone')}")
+  return lines
+
+
 def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
             found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
   lines = (_unit_findings(leaves, use_axis_names) + _bias_or_scale(leaves)
-           + _router_inputs(leaves, use_axis_names))
+           + _router_inputs(leaves, use_axis_names) + _odd_members(leaves))
   counts = _rules.router_counts(leaves)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:

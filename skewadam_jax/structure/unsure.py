@@ -19,6 +19,9 @@ from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import stacks as _stacks
 
 
+_RANKED_APART = 3  # rank >= 3 leaves in the default tier reported one line each
+
+
 def _rule_hint(path: str, tier: str) -> str:
   return f"sj.make_labeler([({path!r}, {tier!r})])"
 
@@ -180,6 +183,8 @@ def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
       for n in set(widths):
         seen[n] = seen.get(n, 0) + 1
     shared = {n for n, k in seen.items() if k > 1}
+    if len([w for w in sizes.values() if len(w) >= 2]) < 2:
+      continue  # one matrix: nothing to compare its widths with
     for leaf in members:
       odd = [n for n in sizes.get(leaf.path, ()) if not (
           n in shared or any(n in (2 * m, m // 2) for m in shared))]
@@ -235,6 +240,7 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
     for i in members:
       leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
     lines.append(line)
+  ranked = []  # rank >= 3 leaves left in the default tier: one line each, or one for all
   for leaf in leaves:
     where = f'{leaf.path} {list(leaf.shape)}'
     core = leaf.core
@@ -244,6 +250,7 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
       reason = (f'rank-{len(core)} leaf{scanned} left in {leaf.tier!r} by default (no '
                 'rule or structure says what it is)')
       leaf.note = f'UNSURE: {reason}'
+      ranked.append(leaf)
       lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
                    f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
@@ -257,6 +264,13 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
       leaf.note = f'UNSURE: {reason}'
       lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, 'experts')}, or "
                    'pass param_labels=sj.moe_param_labels(params, use_axis_names=True)')
+  if len(ranked) > _RANKED_APART:  # one line naming them all (the warning shows 10 lines)
+    lines = [x for x in lines if not any(x.startswith(f'{y.path} [') for y in ranked)]
+    lines.append(f"{', '.join(f'{x.path} {list(x.shape)}' for x in ranked)}: rank >= 3 "
+                 f"leaves left in {ranked[0].tier!r} by default (no rule or structure says "
+                 "what they are); if one is an expert bank, label it, e.g. "
+                 f"{_rule_hint(ranked[0].path, 'experts')}, or confirm it: "
+                 f'{_rule_hint(ranked[0].path, ranked[0].tier)}')
   routers = [x for x in leaves if x.tier == 'router']
   experts = [x for x in leaves if x.tier == 'experts']
   for mine, others, what, missing, hint in (

@@ -198,14 +198,18 @@ def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
       lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it is dense, label it: '
                    f"{_rule_hint(leaf.path, 'backbone')}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
-  return lines + _two_banks(leaves)
+  return lines + _doubtful_banks(leaves)
 
 
-def _two_banks(leaves: list[_paths.Leaf]) -> list[str]:
-  """Banks of different expert counts that shapes alone found in one module, each beside
-  a router candidate of its own (`{router [d, E], w_in [E, d, f], wq [d, H, hd], w2 [f,
-  d]}` reads as a bank of E and a bank of d experts): at most one is, which no shape
-  tells; every such leaf keeps its guess and is reported."""
+def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
+  """Banks that shapes alone found where a width of the model reads as an expert count:
+  banks of different counts in one module, each beside a router candidate of its own
+  (`{router [d, E], w_in [E, d, f], wq [d, H, hd], w2 [f, d]}` reads as a bank of E and
+  a bank of d experts: at most one is), or a bank of as many experts as the widest
+  vector of the backbone (a norm gain [d]: E < d in every MoE). No shape tells; every
+  such leaf keeps its guess and is reported."""
+  widest = max((x.core[0] for x in leaves if len(x.core) == 1 and x.tier not in (
+      'experts', 'router')), default=None)
   modules: dict[tuple[str, ...], list[_paths.Leaf]] = {}
   for leaf in leaves:
     if leaf.tier in ('experts', 'router') and leaf.source == 'structure':
@@ -213,7 +217,7 @@ def _two_banks(leaves: list[_paths.Leaf]) -> list[str]:
   lines = []
   for module, members in modules.items():
     counts = {x.count for x in members if x.tier == 'experts' and x.count}
-    if len(counts) < 2:
+    if len(counts) < 2 and not (counts and widest and max(counts) >= widest):
       continue
     found = [x for x in members if not x.note]
     for leaf in found:
@@ -224,8 +228,8 @@ def _two_banks(leaves: list[_paths.Leaf]) -> list[str]:
       lines.append(
           f"{shown}: banks of {' and '.join(map(str, sorted(counts)))} experts, each "
           f"beside a router candidate, read from shapes alone in {'/'.join(module)}: "
-          'at most one is a bank (a length shared by coincidence reads as another), '
-          'which no shape tells; labelled as shown; label the dense ones, e.g. '
+          'at most one is a bank, and E < d (a length shared by coincidence reads as '
+          'another), which no shape tells; labelled as shown; label the dense ones, e.g. '
           f"{_rule_hint(found[0].path, 'backbone')}")
   return lines
 

@@ -31,8 +31,9 @@ the ones real MoE code uses:
 
 Every dict key is a random token (`names='random'`), a conventional name (`router`,
 `experts`, `w1`, `wq`, `embed`, ...; `names='conventional'`), or either (`'mixed'`).
-Dimensions are small and pairwise distinct (E, d, f, T, V, L, C) so that no length
-means two things by accident.
+Dimensions are small and pairwise distinct (E, d, f, T, V, L, C, heads, head_dim, the
+patch and channel sizes) so that no length means two things by accident, except the
+deliberate coincidences drawn as blocks (`dims:hd=E`, `dims:H=E`, `dims:f=V`, `dims:E=L`).
 
 The truth follows the conventions of `structure_models`: a router kernel and its
 selection bias are `router`; a stacked bank, its per-expert biases and scales are
@@ -116,7 +117,7 @@ KNOWN_FAILING: dict[str, frozenset[str]] = {
 }
 
 _CONSONANTS = 'bcdfghjklmnpqrstvwxz'
-_TOKEN_BANNED = ('mlp', 'ffn', 'ffw')
+_TOKEN_BANNED = ('mlp', 'ffn', 'ffw', 'wq', 'wk', 'wv')  # conventional names
 
 
 # ---------------------------------------------------------------------------- specs
@@ -134,7 +135,7 @@ class Dims:
   L: int
   K: int  # choices per token
   G: int  # expert groups (group-limited routing)
-  H: int = 2  # attention heads (DenseGeneral kernels [d, H, hd], the MAP head)
+  H: int = 15  # attention heads (DenseGeneral kernels [d, H, hd], the MAP head)
   hd: int = 9  # head_dim
 
   @property
@@ -218,7 +219,7 @@ def spec_from_seed(seed: int, exclude: frozenset[str] = frozenset(),
   pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
   coin = lambda: bool(rng.integers(2))  # noqa: E731
   dims = Dims(E=pick([4, 6]), d=8, f=pick([12, 20]), V=pick([11, 13]), B=2, S=pick([5, 7]),
-              L=pick([2, 3]), K=pick([1, 2]), G=2, H=pick([2, 3]), hd=pick([9, 10]))
+              L=pick([2, 3]), K=pick([1, 2]), G=2, H=pick([15, 16]), hd=pick([9, 10]))
   bank = pick(BANKS)
   # Drawn after the original choices, so that a seed's other blocks stay as they were.
   tokens, dense_general, moe_norm, pre_logits = pick(TOKENS), coin(), coin(), coin()
@@ -289,7 +290,7 @@ def _without(spec: Spec, exclude: frozenset[str]) -> Spec:
     elif kind == 'router':  # a gate of its own
       spec = dataclasses.replace(spec, dispatch='onehot')
     elif kind == 'dims':  # the coincidence undone: the drawn sizes come back
-      undo = {'hd=E': {'hd': 9}, 'H=E': {'H': 2}, 'f=V': {'f': 12}, 'E=L': {'L': 2}}
+      undo = {'hd=E': {'hd': 9}, 'H=E': {'H': 15}, 'f=V': {'f': 12}, 'E=L': {'L': 2}}
       spec = dataclasses.replace(spec, coincide='none', dims=dataclasses.replace(
           spec.dims, **undo[spec.coincide]))
     else:
@@ -405,7 +406,7 @@ def _stack(tree: Any, L: int) -> Any:
 
 
 # ViT's patches: PATCH x PATCH pixels of CHANNELS channels each.
-PATCH, CHANNELS = 2, 3
+PATCH, CHANNELS = 14, 17  # no other length of a program (no accidental coincidence)
 
 
 def _conventional_tree(spec: Spec) -> dict[str, Any]:

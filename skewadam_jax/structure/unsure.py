@@ -205,9 +205,10 @@ def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
   """Banks that shapes alone found where a width of the model reads as an expert count:
   banks of different counts in one module, each beside a router candidate of its own
   (`{router [d, E], w_in [E, d, f], wq [d, H, hd], w2 [f, d]}` reads as a bank of E and
-  a bank of d experts: at most one is), or a bank of as many experts as the widest
-  vector of the backbone (a norm gain [d]: E < d in every MoE). No shape tells; every
-  such leaf keeps its guess and is reported."""
+  a bank of d experts: at most one is), a bank of as many experts as the widest vector
+  of the backbone (a norm gain [d]: E < d in every MoE), or one beside a bank the names
+  found below its module (`{router, experts: [...], wo [E, hd, d]}`: one router, one
+  bank). No shape tells; every such leaf keeps its guess and is reported."""
   widest = max((x.core[0] for x in leaves if len(x.core) == 1 and x.tier not in (
       'experts', 'router')), default=None)
   modules: dict[tuple[str, ...], list[_paths.Leaf]] = {}
@@ -217,7 +218,13 @@ def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
   lines = []
   for module, members in modules.items():
     counts = {x.count for x in members if x.tier == 'experts' and x.count}
-    if len(counts) < 2 and not (counts and widest and max(counts) >= widest):
+    # (a bank the names found below this module: its router serves that one)
+    # (or numbered units reported beside a router candidate, which may be that bank)
+    named = any((x.tier == 'experts' and x.source != 'structure' or x.note.startswith(
+        'UNSURE: one of')) and len(x.segs) > len(module) + 1
+        and x.segs[:len(module)] == module for x in leaves)
+    if len(counts) < 2 and not (counts and widest and max(counts) >= widest) and not (
+        counts and named):
       continue
     found = [x for x in members if not x.note]
     for leaf in found:

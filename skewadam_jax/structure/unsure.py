@@ -252,11 +252,13 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
       leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
     lines.append(line)
   ranked = []  # rank >= 3 leaves left in the default tier: one line each, or one for all
+  modules = {x.segs for x in leaves}
   for leaf in leaves:
     where = f'{leaf.path} {list(leaf.shape)}'
     core = leaf.core
     if leaf.source == 'default' and len(core) >= 3 and core[0] > 1 and not (
-        use_axis_names and leaf.names_well_formed) and not leaf.note:
+        use_axis_names and leaf.names_well_formed) and not leaf.note and not (
+        leaf.segs[-1] == 'wo' and leaf.segs[:-1] + ('wq',) in modules):  # attention's
       scanned = f' beside scanned axes {sorted(leaf.scan)}' if leaf.scan else ''
       reason = (f'rank-{len(core)} leaf{scanned} left in {leaf.tier!r} by default (no '
                 'rule or structure says what it is)')

@@ -178,16 +178,15 @@ def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
   for members in banks.values():
     sizes = {x.path: [n for a, n in enumerate(x.core) if a != x.core.index(x.count)]
              for x in members if x.count in x.core}
-    seen: dict[int, int] = {}
-    for widths in sizes.values():
-      for n in set(widths):
-        seen[n] = seen.get(n, 0) + 1
-    shared = {n for n, k in seen.items() if k > 1}
-    if len([w for w in sizes.values() if len(w) >= 2]) < 2:
+    matrices = len([w for w in sizes.values() if len(w) >= 2])
+    if matrices < 2:
       continue  # one matrix: nothing to compare its widths with
+    # Two matrices may be a fused gate and up [E, d, 2f] and its down [E, f, d].
+    factors = (1, 2, 0.5) if matrices == 2 else (1,)
     for leaf in members:
-      odd = [n for n in sizes.get(leaf.path, ()) if not (
-          n in shared or any(n in (2 * m, m // 2) for m in shared))]
+      others = {k * n for path, widths in sizes.items() if path != leaf.path
+                for n in widths for k in factors}
+      odd = [n for n in sizes.get(leaf.path, ()) if n not in others]
       if not odd or leaf.note:
         continue
       reason = (f'labelled {leaf.tier!r} from its shape (an axis of {leaf.count}, the '

@@ -96,7 +96,7 @@ def block_structure(leaves: list[_paths.Leaf], use_axis_names: bool) -> None:
     found = []
     for leaf in children.get(block, []):
       core = leaf.core
-      if leaf.tier is not None or len(core) < 2:
+      if leaf.tier is not None or len(core) != 2:  # (a router is [d, E]: [d, H, hd] is not)
         continue
       torch_layout = leaf.segs[-1] == 'weight'  # [out, in]
       count = core[0] if torch_layout else core[-1]

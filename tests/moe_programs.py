@@ -31,8 +31,9 @@ the ones real MoE code uses:
 
 Every dict key is a random token (`names='random'`), a conventional name (`router`,
 `experts`, `w1`, `wq`, `embed`, ...; `names='conventional'`), or either (`'mixed'`).
-Dimensions are small and pairwise distinct (E, d, f, T, V, L, C) so that no length
-means two things by accident.
+Dimensions are small and pairwise distinct (E, d, f, T, V, L, C, heads, head_dim, the
+patch and channel sizes) so that no length means two things by accident, except the
+deliberate coincidences drawn as blocks (`dims:hd=E`, `dims:H=E`, `dims:f=V`, `dims:E=L`).
 
 The truth follows the conventions of `structure_models`: a router kernel and its
 selection bias are `router`; a stacked bank, its per-expert biases and scales are
@@ -73,12 +74,19 @@ if __name__ == '__main__':  # run as a script: this checkout's package, not an i
   sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
 
 import skewadam_jax as sj  # noqa: E402
+from skewadam_jax.estimators import orthogonal as _orthogonal  # noqa: E402
 from skewadam_jax.structure import paths as _paths  # noqa: E402
 
 ROUTER_SCORES = ('softmax', 'sigmoid')
 NOISE = ('none', 'typed', 'legacy', 'typed_data')
 STACKED_DISPATCH = ('onehot', 'scatter', 'mask', 'capacity', 'gather', 'segment',
-                    'sorted_ragged', 'sorted_segment', 'stack', 'concat', 'expert_choice')
+                    'sorted_ragged', 'sorted_segment', 'stack', 'concat', 'expert_choice',
+                    'gshard', 'group_choice', 'index')
+# Gates that choose for themselves (no selection bias, groups, renormalisation, argmax).
+OWN_GATES = ('expert_choice', 'gshard', 'group_choice')
+TOKENS = ('ids', 'vit')
+# Deliberate size coincidences: none, head_dim == E, heads == E, f == V, E == L.
+COINCIDENCES = ('none', 'hd=E', 'H=E', 'f=V', 'E=L')
 UNIT_DISPATCH = ('onehot', 'scatter', 'mask', 'stack', 'concat', 'units_loop')
 BANKS = ('plain', 'swiglu', 'fused', 'units')
 STACKING = ('single', 'loop', 'scan', 'map', 'vmap')
@@ -95,17 +103,21 @@ MESH_AXES = ('data', 'fsdp', 'expert', 'model', 'tensor')
 # every block are expected failures until then. 'quiet' lists the blocks on which the
 # default route warns although every name is conventional.
 KNOWN_FAILING: dict[str, frozenset[str]] = {
-    # None: every block is right on the traced route (units stacked or concatenated
-    # against an expert axis, layers applied by jax.vmap included).
+    # None: every block is right on the traced route (ViT tokens, DenseGeneral kernels,
+    # index dispatch, GShard and group-limited expert choice and every coincidence too).
     'traced': frozenset(),
-    # None: every block is right or loud on the default route, and quiet on conventional
-    # names (`python tests/moe_programs.py --blocks`).
+    # None: every block is right or loud on the default route (size coincidences are
+    # reported as unsure where names and shapes cannot tell; 0 silently wrong leaves in
+    # `python tests/moe_programs.py --n 1000`).
     'default': frozenset(),
-    'quiet': frozenset(),
+    # A flat layer with DenseGeneral kernels whose head count equals E: `wo [E, hd, d]`
+    # beside `w1 [E, d, f]` is reported although every name is conventional (`wo` is
+    # also what MoE banks are called, so its name does not settle it).
+    'quiet': frozenset({'dims:H=E&layout:flat'}),
 }
 
 _CONSONANTS = 'bcdfghjklmnpqrstvwxz'
-_TOKEN_BANNED = ('mlp', 'ffn', 'ffw')
+_TOKEN_BANNED = ('mlp', 'ffn', 'ffw', 'wq', 'wk', 'wv')  # conventional names
 
 
 # ---------------------------------------------------------------------------- specs
@@ -123,6 +135,8 @@ class Dims:
   L: int
   K: int  # choices per token
   G: int  # expert groups (group-limited routing)
+  H: int = 15  # attention heads (DenseGeneral kernels [d, H, hd], the MAP head)
+  hd: int = 9  # head_dim
 
   @property
   def T(self) -> int:
@@ -159,6 +173,11 @@ class Spec:
   argmax: bool = False  # top-1 by argmax instead of top_k (K = 1)
   aux_loss: bool = False  # a load-balancing and a z-loss term added to the output
   dtype: str = 'float32'  # of the params; 'bfloat16': the router computed in float32
+  tokens: str = 'ids'  # 'ids': a table [V, d] gathered; 'vit': patches, class token, MAP head
+  dense_general: bool = False  # attention kernels [d, H, hd] and [H, hd, d] (needs attention)
+  moe_norm: bool = False  # a norm gain inside the MoE block, on the router's and experts' input
+  pre_logits: bool = False  # a dense [d, d] + tanh before the output layer
+  coincide: str = 'none'  # a deliberate size coincidence (COINCIDENCES)
 
   @property
   def blocks(self) -> frozenset[str]:
@@ -166,8 +185,8 @@ class Spec:
     tags = {f'scores:{self.scores}', f'bank:{self.bank}', f'dispatch:{self.dispatch}',
             f'stacking:{self.stacking}', f'sharding:{self.sharding}', f'names:{self.names}',
             f'layout:{self.layout}', f'dtype:{self.dtype}'}
-    if self.dispatch == 'expert_choice':
-      tags.add('router:expert_choice')
+    if self.dispatch in OWN_GATES:
+      tags.add(f'router:{self.dispatch}')
     else:
       tags |= {t for t, on in (('router:select_bias', self.select_bias),
                                ('router:grouped', self.grouped),
@@ -179,8 +198,16 @@ class Spec:
     tags |= {t for t, on in (('bank:expert_bias', self.expert_bias and self.bank != 'units'),
                              ('bank:expert_scale', self.expert_scale and self.bank != 'units'),
                              ('shared', self.shared), ('dense_mlp', self.dense_mlp),
-                             ('attention', self.attention), ('tied', self.tied),
-                             ('remat', self.remat)) if on}
+                             ('attention', self.attention),
+                             ('tied', self.tied and self.tokens == 'ids'),
+                             ('remat', self.remat), ('moe_norm', self.moe_norm),
+                             ('pre_logits', self.pre_logits),
+                             ('attention:dense_general', self.attention and self.dense_general),
+                             ) if on}
+    if self.tokens != 'ids':
+      tags.add(f'tokens:{self.tokens}')
+    if self.coincide != 'none':
+      tags.add(f'dims:{self.coincide}')
     return frozenset(tags)
 
 
@@ -192,8 +219,11 @@ def spec_from_seed(seed: int, exclude: frozenset[str] = frozenset(),
   pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
   coin = lambda: bool(rng.integers(2))  # noqa: E731
   dims = Dims(E=pick([4, 6]), d=8, f=pick([12, 20]), V=pick([11, 13]), B=2, S=pick([5, 7]),
-              L=pick([2, 3]), K=pick([1, 2]), G=2)
+              L=pick([2, 3]), K=pick([1, 2]), G=2, H=pick([15, 16]), hd=pick([9, 10]))
   bank = pick(BANKS)
+  # Drawn after the original choices, so that a seed's other blocks stay as they were.
+  tokens, dense_general, moe_norm, pre_logits = pick(TOKENS), coin(), coin(), coin()
+  coincide = pick(COINCIDENCES)
   spec = Spec(
       dims=dims, scores=pick(ROUTER_SCORES), select_bias=coin(), noise=pick(NOISE),
       grouped=coin(), renorm=coin(), bank=bank,
@@ -203,9 +233,25 @@ def spec_from_seed(seed: int, exclude: frozenset[str] = frozenset(),
       sharding=pick(SHARDING), names=names or pick(NAMES), seed=int(rng.integers(2**31)),
       layout=pick(LAYOUTS), argmax=coin() and coin(), aux_loss=coin(),
       dtype=pick(DTYPES))
+  spec = dataclasses.replace(spec, tokens=tokens, dense_general=dense_general,
+                             moe_norm=moe_norm, pre_logits=pre_logits, coincide=coincide)
+  spec = _coincide(spec)
   if spec.argmax:
     spec = dataclasses.replace(spec, dims=dataclasses.replace(dims, K=1))
   return _without(spec, exclude)
+
+
+def _coincide(spec: Spec) -> Spec:
+  """`spec` with its dims made to coincide as `spec.coincide` says (a coincidence that
+  the program cannot hold is dropped: heads == E needs attention, head_dim == E the
+  DenseGeneral kernels or the MAP head)."""
+  n, c = spec.dims, spec.coincide
+  heads = spec.tokens == 'vit' or (spec.attention and spec.dense_general)
+  if c in ('hd=E', 'H=E') and not heads:
+    return dataclasses.replace(spec, coincide='none')
+  change = {'hd=E': {'hd': n.E}, 'H=E': {'H': n.E}, 'f=V': {'f': n.V},
+            'E=L': {'L': n.E}}.get(c, {})
+  return dataclasses.replace(spec, dims=dataclasses.replace(n, **change))
 
 
 def specs(exclude: frozenset[str] = frozenset(), names: Optional[str] = None
@@ -230,18 +276,23 @@ def _without(spec: Spec, exclude: frozenset[str]) -> Spec:
          'router:renorm': 'renorm', 'bank:expert_bias': 'expert_bias',
          'bank:expert_scale': 'expert_scale', 'shared': 'shared', 'dense_mlp': 'dense_mlp',
          'attention': 'attention', 'tied': 'tied', 'remat': 'remat', 'router:argmax': 'argmax',
-         'router:aux_loss': 'aux_loss'}
+         'router:aux_loss': 'aux_loss', 'moe_norm': 'moe_norm', 'pre_logits': 'pre_logits',
+         'attention:dense_general': 'dense_general'}
   plain = {'dispatch': 'onehot', 'stacking': 'single', 'sharding': 'none',
            'scores': 'softmax', 'bank': 'plain', 'noise': 'none', 'names': 'conventional',
-           'layout': 'nested', 'dtype': 'float32'}
+           'layout': 'nested', 'dtype': 'float32', 'tokens': 'ids'}
   for entry in excluded(spec.blocks, exclude):
     parts = entry.split('&')
     tag = next((t for t in parts if not t.startswith('names:')), parts[0])
     kind = tag.partition(':')[0]
     if tag in off:
       spec = dataclasses.replace(spec, **{off[tag]: False})
-    elif kind == 'router':  # expert choice
+    elif kind == 'router':  # a gate of its own
       spec = dataclasses.replace(spec, dispatch='onehot')
+    elif kind == 'dims':  # the coincidence undone: the drawn sizes come back
+      undo = {'hd=E': {'hd': 9}, 'H=E': {'H': 15}, 'f=V': {'f': 12}, 'E=L': {'L': 2}}
+      spec = dataclasses.replace(spec, coincide='none', dims=dataclasses.replace(
+          spec.dims, **undo[spec.coincide]))
     else:
       spec = dataclasses.replace(spec, **{kind: plain[kind]})
     if spec.bank == 'units' and spec.dispatch not in UNIT_DISPATCH:
@@ -261,9 +312,12 @@ def programs(exclude: frozenset[str] = frozenset(), names: Optional[str] = None
 
 @dataclasses.dataclass(frozen=True)
 class Truth:
-  """What one leaf is: its tier and batch axes."""
+  """What one leaf is: its tier, batch axes, and whether it is a hidden matrix (a
+  backbone matrix contracted with activations on both sides: what Muon orthogonalises;
+  never an input layer, an output layer, a norm, a bias or a table)."""
   tier: str
   axes: tuple[int, ...]
+  hidden: bool = False
 
 
 @dataclasses.dataclass
@@ -281,8 +335,23 @@ class Program:
     return self.spec.blocks
 
 
-def _leaf(shape: tuple[int, ...], tier: str, axes: tuple[int, ...]) -> tuple[Any, Truth]:
-  return jax.ShapeDtypeStruct(shape, jnp.float32), Truth(tier, axes)
+def _leaf(shape: tuple[int, ...], tier: str, axes: tuple[int, ...], hidden: bool = False
+          ) -> tuple[Any, Truth]:
+  return jax.ShapeDtypeStruct(shape, jnp.float32), Truth(tier, axes, hidden)
+
+
+def _hid(*shape: int) -> tuple[Any, Truth]:
+  """A hidden backbone matrix."""
+  return _leaf(shape, 'backbone', (), True)
+
+
+def _attention_tree(spec: Spec) -> dict[str, Any]:
+  """Attention kernels: [d, d] each, or DenseGeneral [d, H, hd] and [H, hd, d]."""
+  n = spec.dims
+  if spec.dense_general:
+    return {**{k: _hid(n.d, n.H, n.hd) for k in ('wq', 'wk', 'wv')},
+            'wo': _hid(n.H, n.hd, n.d)}
+  return {k: _hid(n.d, n.d) for k in ('wq', 'wk', 'wv', 'wo')}
 
 
 def _layer_tree(spec: Spec) -> dict[str, Any]:
@@ -292,9 +361,9 @@ def _layer_tree(spec: Spec) -> dict[str, Any]:
   bb = lambda *shape: _leaf(shape, 'backbone', ())  # noqa: E731
   layer: dict[str, Any] = {'pre_norm': {'scale': bb(d)}, 'post_norm': {'scale': bb(d)}}
   if spec.attention:
-    layer['attn'] = {k: bb(d, d) for k in ('wq', 'wk', 'wv', 'wo')}
+    layer['attn'] = _attention_tree(spec)
   router: dict[str, Any] = {'kernel': _leaf((d, E), 'router', ())}
-  if spec.select_bias and spec.dispatch != 'expert_choice':
+  if spec.select_bias and spec.dispatch not in OWN_GATES:
     router['bias'] = _leaf((E,), 'router', ())
   if spec.bank == 'units':
     unit = lambda: {'w1': _leaf((d, f), 'experts', ()),  # noqa: E731
@@ -313,11 +382,13 @@ def _layer_tree(spec: Spec) -> dict[str, Any]:
     if spec.expert_scale:
       experts['scale'] = ex(E)
   moe: dict[str, Any] = {'router': router, 'experts': experts}
+  if spec.moe_norm:
+    moe['norm'] = {'scale': bb(d)}
   if spec.shared:
-    moe['shared_experts'] = {'w1': bb(d, f), 'w2': bb(f, d)}
+    moe['shared_experts'] = {'w1': _hid(d, f), 'w2': _hid(f, d)}
   layer['moe'] = moe
   if spec.dense_mlp:
-    layer['mlp'] = {'w1': bb(d, f), 'w2': bb(f, d)}
+    layer['mlp'] = {'w1': _hid(d, f), 'w2': _hid(f, d)}
   return layer
 
 
@@ -330,13 +401,23 @@ def _stack(tree: Any, L: int) -> Any:
   def one(pair: tuple[Any, Truth]) -> tuple[Any, Truth]:
     sds, truth = pair
     return (jax.ShapeDtypeStruct((L, *sds.shape), sds.dtype),
-            Truth(truth.tier, (0, *(a + 1 for a in truth.axes))))
+            Truth(truth.tier, (0, *(a + 1 for a in truth.axes)), truth.hidden))
   return jax.tree.map(one, tree, is_leaf=_is_pair)
+
+
+# ViT's patches: PATCH x PATCH pixels of CHANNELS channels each.
+PATCH, CHANNELS = 14, 17  # no other length of a program (no accidental coincidence)
 
 
 def _conventional_tree(spec: Spec) -> dict[str, Any]:
   n = spec.dims
-  tree: dict[str, Any] = {'embed': {'embedding': _leaf((n.V, n.d), 'backbone', ())}}
+  bb = lambda *shape: _leaf(shape, 'backbone', ())  # noqa: E731
+  if spec.tokens == 'vit':  # big_vision's names: the input layer is a patch convolution
+    tree: dict[str, Any] = {'embedding': {'kernel': bb(PATCH, PATCH, CHANNELS, n.d),
+                                          'bias': bb(n.d)},
+                            'cls': bb(1, 1, n.d), 'pos_embedding': bb(1, n.S, n.d)}
+  else:
+    tree = {'embed': {'embedding': bb(n.V, n.d)}}
   layer = _layer_tree(spec)
   if spec.stacking == 'single':
     tree['layer'] = layer
@@ -344,9 +425,20 @@ def _conventional_tree(spec: Spec) -> dict[str, Any]:
     tree['layers'] = [_layer_tree(spec) for _ in range(n.L)]
   else:
     tree['layers'] = _stack(layer, n.L)
-  tree['final_norm'] = {'scale': _leaf((n.d,), 'backbone', ())}
-  if not spec.tied:
-    tree['lm_head'] = {'kernel': _leaf((n.d, n.V), 'backbone', ())}
+  tree['final_norm'] = {'scale': bb(n.d)}
+  if spec.tokens == 'vit':  # multihead attention pooling: a probe queries the tokens
+    tree['map_head'] = {
+        'probe': bb(1, 1, n.d),
+        'attention': {'query': {'kernel': _hid(n.d, n.H, n.hd), 'bias': bb(n.H, n.hd)},
+                      'key': {'kernel': _hid(n.d, n.H, n.hd), 'bias': bb(n.H, n.hd)},
+                      'value': {'kernel': _hid(n.d, n.H, n.hd), 'bias': bb(n.H, n.hd)},
+                      'out': {'kernel': _hid(n.H, n.hd, n.d), 'bias': bb(n.d)}}}
+  if spec.pre_logits:
+    tree['pre_logits'] = {'kernel': _hid(n.d, n.d), 'bias': bb(n.d)}
+  if spec.tokens == 'vit':
+    tree['head'] = {'kernel': bb(n.d, n.V)}
+  elif not spec.tied:
+    tree['lm_head'] = {'kernel': bb(n.d, n.V)}
   return tree
 
 
@@ -435,9 +527,36 @@ def _rms(x: jax.Array, g: jax.Array) -> jax.Array:
 
 
 def _attention(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+  if p['wq'].ndim == 3:  # DenseGeneral: heads and head_dim kept apart
+    q, k, v = (jnp.einsum('td,dhk->thk', h, p[m]) for m in ('wq', 'wk', 'wv'))
+    a = jax.nn.softmax(jnp.einsum('thk,shk->hts', q, k) / np.sqrt(q.shape[-1]), -1)
+    return jnp.einsum('thk,hkd->td', jnp.einsum('hts,shk->thk', a, v), p['wo'])
   q, k, v = h @ p['wq'], h @ p['wk'], h @ p['wv']
   a = jax.nn.softmax(q @ k.T / np.sqrt(h.shape[-1]), -1)
   return (a @ v) @ p['wo']
+
+
+def _map_head(x: jax.Array, p: dict[str, Any]) -> jax.Array:
+  """Multihead attention pooling: a learned probe [1, 1, d] queries each image's tokens
+  [B, S, d] (query, key and value kernels [d, H, hd] with biases [H, hd], out [H, hd, d])."""
+  a = p['attention']
+  proj = lambda v, m: (jnp.einsum('bsd,dhk->bshk', v, a[m]['kernel'])  # noqa: E731
+                       + a[m]['bias'])
+  q = proj(jnp.broadcast_to(p['probe'], (x.shape[0], 1, x.shape[-1])), 'query')
+  k, v = proj(x, 'key'), proj(x, 'value')
+  w = jax.nn.softmax(jnp.einsum('bqhk,bshk->bhqs', q, k) / np.sqrt(q.shape[-1]), -1)
+  o = jnp.einsum('bhqs,bshk->bqhk', w, v)
+  return (jnp.einsum('bqhk,hkd->bqd', o, a['out']['kernel']) + a['out']['bias'])[:, 0]
+
+
+def _patches(images: jax.Array, p: dict[str, Any]) -> jax.Array:
+  """ViT's tokens [B, S, d]: a patch convolution (stride = patch), the class token first,
+  the position table [1, S, d] added."""
+  x = jax.lax.conv_general_dilated(images, p['embedding']['kernel'], (PATCH, PATCH),
+                                   'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  x = x.reshape(x.shape[0], -1, x.shape[-1]) + p['embedding']['bias']
+  cls = jnp.broadcast_to(p['cls'], (x.shape[0], 1, x.shape[-1]))
+  return jnp.concatenate([cls, x], axis=1) + p['pos_embedding']
 
 
 def _mlp(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
@@ -502,15 +621,87 @@ def _moe(spec: Spec, h: jax.Array, p: dict[str, Any], key: Any) -> jax.Array:
   C, d = spec.dims.C, spec.dims.d
   bank = p['experts']
   use_shard_map = spec.sharding == 'shard_map'
+  if 'norm' in p:  # a norm of the block's own: its gain scales the router's input and
+    h = _rms(h, p['norm']['scale'])  # the experts' alike (not a router parameter)
 
   if spec.dispatch == 'expert_choice':
     scores = jax.nn.softmax(h @ p['router']['kernel'], axis=0)  # over the tokens
     g, idx = jax.lax.top_k(scores.T, C)  # [E, C] token positions
     out = _slots(spec, h[idx], bank, use_shard_map) * g[..., None]
     return jnp.zeros_like(h).at[idx.reshape(-1)].add(out.reshape(-1, d))
+  if spec.dispatch == 'group_choice':
+    return _group_choice(spec, h, p, use_shard_map)
+  if spec.dispatch == 'gshard':
+    combine = _gshard_combine(h @ p['router']['kernel'], C)  # [T, E, C]
+    dispatch = combine.astype(bool).astype(h.dtype)
+    out = _slots(spec, jnp.einsum('tec,td->ecd', dispatch, h), bank, use_shard_map)
+    return jnp.einsum('tec,ecd->td', combine.astype(h.dtype), out)
 
   ids, w, aux = _route(spec, h, p['router'], key)
   return _dispatch(spec, h, bank, ids, w, use_shard_map) + aux.astype(h.dtype)
+
+
+def _gshard_combine(logits: jax.Array, C: int) -> jax.Array:
+  """GShard's top-2 gate: argmax, the first choice masked out, argmax again; positions in
+  each expert's buffer by cumsum, tokens past capacity `C` dropped; the combine weights
+  [T, E, C] (renormalised over the two)."""
+  E = logits.shape[-1]
+  gates = jax.nn.softmax(logits, axis=-1)
+  mask_1 = jax.nn.one_hot(jnp.argmax(gates, axis=-1), E, dtype=jnp.int32)
+  gate_1 = jnp.sum(gates * mask_1, axis=-1)
+  second = jnp.argmax(jnp.where(mask_1 > 0, -jnp.inf, logits), axis=-1)
+  mask_2 = jax.nn.one_hot(second, E, dtype=jnp.int32)
+  gate_2 = jnp.sum(gates * mask_2, axis=-1)
+  pos_1 = jnp.cumsum(mask_1, axis=0) - mask_1
+  mask_1 = mask_1 * (pos_1 < C)
+  pos_2 = jnp.cumsum(mask_2, axis=0) - mask_2 + jnp.sum(mask_1, axis=0, keepdims=True)
+  mask_2 = mask_2 * (pos_2 < C)
+  loc_1, loc_2 = jnp.sum(pos_1 * mask_1, axis=-1), jnp.sum(pos_2 * mask_2, axis=-1)
+  denom = gate_1 + gate_2 + 1e-9
+  return ((gate_1 / denom)[:, None, None] * mask_1[:, :, None]
+          * jax.nn.one_hot(loc_1, C)[:, None, :]
+          + (gate_2 / denom)[:, None, None] * mask_2[:, :, None]
+          * jax.nn.one_hot(loc_2, C)[:, None, :])
+
+
+def _group_choice(spec: Spec, h: jax.Array, p: dict[str, Any], use_shard_map: bool
+                  ) -> jax.Array:
+  """Expert choice within token groups (one group per sequence): each expert takes its
+  top-c tokens of every group; the experts run on [E, groups x c, d]; the weighted
+  outputs are scattered back onto each group's tokens."""
+  n = spec.dims
+  c = 2
+  groups = h.reshape(n.B, n.S, n.d)
+  scores = jax.nn.softmax(jnp.einsum('gsd,de->gse', groups, p['router']['kernel']), -1)
+  g, idx = jax.lax.top_k(scores.transpose(0, 2, 1), c)  # [G, E, c] token positions
+  x = jax.vmap(lambda v, i: v[i])(groups, idx)  # [G, E, c, d]
+  x = x.transpose(1, 0, 2, 3).reshape(n.E, n.B * c, n.d)
+  out = _slots(spec, x, p['experts'], use_shard_map).reshape(n.E, n.B, c, n.d)
+  out = out.transpose(1, 0, 2, 3) * g[..., None]
+  back = jax.vmap(lambda o, i: jnp.zeros((n.S, n.d), h.dtype).at[i.reshape(-1)].add(
+      o.reshape(-1, n.d)))(out, idx)
+  return back.reshape(n.T, n.d)
+
+
+def _index_dispatch(spec: Spec, h: jax.Array, bank: Any, ids: jax.Array, w: jax.Array,
+                    use_shard_map: bool) -> jax.Array:
+  """Tokens dispatched by computed indices: each (token, choice) written at row
+  `expert * capacity + position` of a buffer (one spare row for the dropped), the
+  experts run on it as [E, capacity, d], their rows gathered back and scattered onto
+  the tokens."""
+  n = spec.dims
+  E, C, d = n.E, n.C, n.d
+  flat = ids.reshape(-1)
+  onehot = jax.nn.one_hot(flat, E, dtype=jnp.int32)
+  pos = jnp.take_along_axis(jnp.cumsum(onehot, 0) - onehot, flat[:, None], 1)[:, 0]
+  keep = pos < C
+  slot = jnp.where(keep, flat * C + pos, E * C)
+  tok = jnp.repeat(jnp.arange(h.shape[0]), ids.shape[-1])
+  buf = jnp.zeros((E * C + 1, d), h.dtype).at[slot].set(h[tok])[:-1].reshape(E, C, d)
+  out = _slots(spec, buf, bank, use_shard_map).reshape(-1, d)
+  out = jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[slot]
+  out = out * (w.reshape(-1) * keep)[:, None].astype(out.dtype)
+  return jnp.zeros_like(h).at[tok].add(out)
 
 
 def _dispatch(spec: Spec, h: jax.Array, bank: Any, ids: jax.Array, w: jax.Array,
@@ -560,6 +751,9 @@ def _dispatch(spec: Spec, h: jax.Array, bank: Any, ids: jax.Array, w: jax.Array,
     combine = jnp.einsum('tke,tkc,tk->tec', hot, slot, w)
     out = _slots(spec, jnp.einsum('tec,td->ecd', dispatch, h), bank, use_shard_map)
     return jnp.einsum('tec,ecd->td', combine, out)
+
+  if spec.dispatch == 'index':
+    return _index_dispatch(spec, h, bank, ids, w, use_shard_map)
 
   flat = ids.reshape(-1)  # [T K]
   rows = jnp.repeat(h, K, axis=0)
@@ -645,6 +839,7 @@ def _constrained(tree: Any, names: dict[str, Any], where: str = '') -> Any:
 
 # A flat layer's keys (conventional names), by the leaf's path in the nested layer.
 _FLAT = {'pre_norm/scale': 'pre_norm', 'post_norm/scale': 'post_norm',
+         'moe/norm/scale': 'moe_norm',
          'moe/router/kernel': 'router', 'moe/router/bias': 'router_bias',
          'moe/experts/scale': 'per_expert_scale', 'moe/experts': 'experts'}
 _FLAT_PREFIX = {'attn/': '', 'moe/experts/': '', 'moe/shared_experts/': 'shared_mlp_',
@@ -676,7 +871,8 @@ def _flatten_layer(layer: dict[str, Any]) -> dict[str, Any]:
 def _nest_layer(flat: dict[str, Any]) -> dict[str, Any]:
   """The inverse of `_flatten_layer`."""
   paths = {}
-  for path in ('pre_norm/scale', 'post_norm/scale', 'moe/router/kernel', 'moe/router/bias',
+  for path in ('pre_norm/scale', 'post_norm/scale', 'moe/norm/scale', 'moe/router/kernel',
+               'moe/router/bias',
                'moe/experts/scale', 'moe/experts', 'attn/wq', 'attn/wk', 'attn/wv',
                'attn/wo', 'moe/shared_experts/w1', 'moe/shared_experts/w2', 'mlp/w1',
                'mlp/w2', *(f'moe/experts/{m}' for m in ('w1', 'w2', 'w3', 'w13', 'b1', 'b2'))):
@@ -739,7 +935,10 @@ def build(spec: Spec) -> Program:
         lambda pair: nn.Partitioned(jax.ShapeDtypeStruct(pair[0].shape, dtype),
                                     names=chosen[id(pair)]), renamed, is_leaf=_is_pair)
 
-  tokens = jax.ShapeDtypeStruct((n.B, n.S), jnp.int32)
+  if spec.tokens == 'vit':
+    tokens = jax.ShapeDtypeStruct((n.B, (n.S - 1) * PATCH, PATCH, CHANNELS), jnp.float32)
+  else:
+    tokens = jax.ShapeDtypeStruct((n.B, n.S), jnp.int32)
   args: tuple[Any, ...] = (tokens,)
   if spec.noise in ('typed', 'typed_data'):
     args += (jax.ShapeDtypeStruct((), jax.random.key(0).dtype),)
@@ -752,7 +951,10 @@ def build(spec: Spec) -> Program:
     p = _store(namer.restore(p), spec.layout, inverse=True)
     top = {k: v for k, v in p.items() if k not in ('layer', 'layers')}
     p = {**p, **_constrained(top, names)}
-    x = p['embed']['embedding'][toks.reshape(-1)]
+    if spec.tokens == 'vit':
+      x = _patches(toks.astype(dtype), p).reshape(n.T, n.d)
+    else:
+      x = p['embed']['embedding'][toks.reshape(-1)]
     step = functools.partial(_layer, spec, names=layer_names)
     if spec.remat:
       step = jax.checkpoint(step)
@@ -772,6 +974,12 @@ def build(spec: Spec) -> Program:
       else:
         x = jnp.mean(jax.vmap(lambda lp, k: step(x, lp, k))(p['layers'], keys), 0)
     x = _rms(x, p['final_norm']['scale'])
+    if spec.tokens == 'vit':
+      x = _map_head(x.reshape(n.B, n.S, n.d), p['map_head'])
+    if spec.pre_logits:
+      x = jnp.tanh(x @ p['pre_logits']['kernel'] + p['pre_logits']['bias'])
+    if spec.tokens == 'vit':
+      return x @ p['head']['kernel']
     head = p['embed']['embedding'].T if spec.tied else p['lm_head']['kernel']
     return x @ head
 
@@ -809,7 +1017,8 @@ class Verdict:
     """One line per leaf that is not right or loud."""
     if self.error:
       return [f'{self.route} route raised {self.error}']
-    return [f'{p}: got {g.tier} {g.axes}, truth {t.tier} {t.axes} ({o})'
+    show = lambda x: f"{x.tier}{' hidden' if x.hidden else ''} {x.axes}"  # noqa: E731
+    return [f'{p}: got {show(g)}, truth {show(t)} ({o})'
             for p, g, t, o in zip(program.paths, self.got, program.truth, self.outcome)
             if o in FAILURES]
 
@@ -840,7 +1049,10 @@ def check_traced(program: Program) -> Verdict:
       n = len(program.truth)
       return Verdict('traced', [CRASHED] * n, [Truth('?', ())] * n, [False] * n,
                      bool(caught), error=f'{type(exc).__name__}: {exc}'[:300])
-  got = [Truth(leaf.tier, tuple(leaf.batch_axes)) for leaf in result.leaves]
+  got = [Truth(leaf.tier, tuple(leaf.batch_axes),
+                leaf.tier == 'backbone' and leaf.role == 'hidden matrix'
+                and _orthogonal.has_matrix(leaf.shape, leaf.batch_axes))
+         for leaf in result.leaves]
   assert [leaf.path for leaf in result.leaves] == program.paths
   undecided = [leaf.path in result.undecided for leaf in result.leaves]
   # Loud: an `sj.UnsureLabelWarning` (`trace_structure` raises its `TraceWarning`), not
@@ -852,15 +1064,17 @@ def check_traced(program: Program) -> Verdict:
 
 
 def check_default(program: Program) -> Verdict:
-  """`sj.moe_param_labels` and `sj.moe_batch_axes` (names and shapes) against the truth."""
+  """`sj.hidden_param_labels` (`sj.moe_param_labels` with the hidden matrices apart) and
+  `sj.moe_batch_axes` (names and shapes) against the truth."""
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    labels = sj.moe_param_labels(program.params)
+    labels = sj.hidden_param_labels(program.params)
     axes = sj.moe_batch_axes(program.params)
   is_tier = lambda x: isinstance(x, str)  # noqa: E731
   tiers = jax.tree_util.tree_leaves(labels, is_leaf=is_tier)
   batch = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-  got = [Truth(t, tuple(a)) for t, a in zip(tiers, batch)]
+  got = [Truth('backbone' if t == 'hidden' else t, tuple(a), t == 'hidden')
+         for t, a in zip(tiers, batch)]
   assert len(got) == len(program.truth)
   texts = [str(w.message) for w in caught if issubclass(w.category, sj.UnsureLabelWarning)]
   named = [any(_names_leaf(t, p) for t in texts) for p in program.paths]
@@ -916,6 +1130,21 @@ def single_block_specs(names: str = 'conventional') -> dict[str, Spec]:
                                                                   stacking=stacking)
   for sharding in SHARDING[1:]:
     out[f'sharding:{sharding}'] = dataclasses.replace(base, sharding=sharding)
+  out['tokens:vit'] = dataclasses.replace(base, tokens='vit')
+  general = dataclasses.replace(base, attention=True, dense_general=True)
+  out['attention:dense_general'] = general
+  out['moe_norm'] = dataclasses.replace(base, moe_norm=True)
+  out['moe_norm+router:expert_choice+stacking:scan'] = dataclasses.replace(
+      base, moe_norm=True, dispatch='expert_choice', stacking='scan')
+  out['pre_logits'] = dataclasses.replace(base, pre_logits=True)
+  out['dispatch:index+bank:expert_bias+stacking:scan'] = dataclasses.replace(
+      base, dispatch='index', expert_bias=True, stacking='scan')
+  for coincide, spec in (('hd=E', general), ('H=E', general), ('f=V', base),
+                         ('E=L', dataclasses.replace(base, stacking='scan'))):
+    out[f'dims:{coincide}'] = _coincide(dataclasses.replace(spec, coincide=coincide))
+  for coincide in ('hd=E', 'H=E'):
+    out[f'dims:{coincide}+layout:flat'] = _coincide(dataclasses.replace(
+        general, coincide=coincide, layout='flat'))
   return out
 
 
@@ -943,6 +1172,9 @@ def tally(n: int, seed: int = 0, exclude: frozenset[str] = frozenset(),
   from hypothesis import given, HealthCheck, seed as hseed, settings  # noqa: PLC0415
   counts = {r: collections.Counter() for r in ROUTES}
   per_block = {r: collections.Counter() for r in ROUTES}
+  # (route, block) -> outcome counts over the leaves of the programs using the block
+  leaves_by_block: dict[tuple[str, str], collections.Counter] = collections.defaultdict(
+      collections.Counter)
   block_seen: collections.Counter = collections.Counter()
   examples: dict[str, list[str]] = {r: [] for r in ROUTES}
   warned_conventional = [0, 0]
@@ -960,6 +1192,8 @@ def tally(n: int, seed: int = 0, exclude: frozenset[str] = frozenset(),
     for route, check in ROUTES.items():
       verdict = check(program)
       counts[route].update(verdict.outcome)
+      for tag in program.blocks:
+        leaves_by_block[(route, tag)].update(verdict.outcome)
       if verdict.error:
         errors[f'{route}: {verdict.error.splitlines()[0][:120]}'] += 1
       if verdict.failed:
@@ -973,6 +1207,7 @@ def tally(n: int, seed: int = 0, exclude: frozenset[str] = frozenset(),
 
   run()
   return {'programs': done[0], 'counts': counts, 'per_block': per_block,
+          'leaves_by_block': leaves_by_block,
           'block_seen': block_seen, 'examples': examples, 'errors': errors,
           'warned_conventional': warned_conventional}
 
@@ -999,6 +1234,30 @@ def _print(report: dict[str, Any], seconds: float) -> None:
       print(f'{route} example: {item}')
 
 
+def block_table(report: dict[str, Any], seconds: float, argv: list[str]) -> str:
+  """A markdown table: per building block and route, the leaves of the programs using
+  it that are right, undecided and loud (the safe rule), and silently wrong (quiet,
+  wrong or crashed)."""
+  lines = [f"`python tests/moe_programs.py {' '.join(argv)}`: {report['programs']} "
+           f'programs in {seconds:.0f} s.', '',
+           '| route | leaves | right | undecided, safe and loud | silently wrong |',
+           '|---|---:|---:|---:|---:|']
+  for route, c in report['counts'].items():
+    wrong = sum(c[o] for o in FAILURES)
+    lines.append(f'| {route} | {sum(c.values())} | {c[RIGHT]} | {c[LOUD]} | {wrong} |')
+  lines += ['', 'Per building block (leaves of the programs that use it):', '',
+            '| block | programs | traced right | traced undecided | traced wrong '
+            '| default right | default undecided | default wrong |',
+            '|---|---:|---:|---:|---:|---:|---:|---:|']
+  for tag in sorted(report['block_seen']):
+    row = [tag, str(report['block_seen'][tag])]
+    for route in ROUTES:
+      c = report['leaves_by_block'][(route, tag)]
+      row += [str(c[RIGHT]), str(c[LOUD]), str(sum(c[o] for o in FAILURES))]
+    lines.append('| ' + ' | '.join(row) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
 def main(argv: Optional[list[str]] = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--n', type=int, default=100, help='programs to draw')
@@ -1010,6 +1269,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument('--verbose', action='store_true')
   parser.add_argument('--blocks', action='store_true',
                       help='check each building block alone on a one-layer baseline')
+  parser.add_argument('--table', default=None,
+                      help='also write the per-block markdown table to this file')
   args = parser.parse_args(argv)
   if args.blocks:
     print('\n'.join(single_block_report()))
@@ -1019,7 +1280,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     exclude |= KNOWN_FAILING[route]
   start = time.time()
   report = tally(args.n, exclude=exclude, names=args.names, verbose=args.verbose)
-  _print(report, time.time() - start)
+  seconds = time.time() - start
+  _print(report, seconds)
+  if args.table:
+    with open(args.table, 'w') as f:
+      f.write(block_table(report, seconds, sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == '__main__':

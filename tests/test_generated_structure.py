@@ -169,7 +169,8 @@ def test_generator_covers_every_block_and_the_truth_is_consistent():
     seen.update(spec.blocks)
     program = mp.build(spec)
     out = jax.eval_shape(program.fn, program.params, *program.args)  # a valid program
-    assert out.shape == (spec.dims.T, spec.dims.V)
+    rows = spec.dims.B if spec.tokens == 'vit' else spec.dims.T  # ViT: one per image
+    assert out.shape == (rows, spec.dims.V)
     assert {t.tier for t in program.truth} == {'backbone', 'experts', 'router'}
     assert len(set(program.paths)) == len(program.paths)
 

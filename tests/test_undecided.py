@@ -91,14 +91,13 @@ def _obscured_fn(program, hide):
   return fn
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(program=mp.programs(exclude=mp.KNOWN_FAILING['traced']), data=st.data())
-def test_undecided_leaves_are_slice_independent_under_every_preset(program, data):
-  """Every generated program, some of its leaves made undecided: under every preset,
-  one slice of any axis of an undecided leaf's gradient moves nothing else of it."""
+def _undecided_are_slice_independent(program, data, max_hide, every):
+  """Some leaves of `program` made undecided (at most `max_hide`): under every preset,
+  one slice of any axis of an undecided leaf's gradient (one drawn, or `every` one)
+  moves nothing else of it."""
   n = len(program.paths)
-  hide = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2, unique=True))
+  hide = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=max_hide,
+                            unique=True))
   fn = _obscured_fn(program, hide)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', sj.UnsureLabelWarning)
@@ -106,13 +105,35 @@ def test_undecided_leaves_are_slice_independent_under_every_preset(program, data
   # (a leaf the program reads through a box of its own may keep its structure)
   assume(structure.undecided)
   rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
-  path = data.draw(st.sampled_from(sorted(structure.undecided)))
+  paths = sorted(structure.undecided)
+  if not every:
+    paths = [data.draw(st.sampled_from(paths))]
   plain = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
                                  program.params)
-  for preset in PRESETS:
-    with warnings.catch_warnings():
-      warnings.simplefilter('ignore', sj.UnsureLabelWarning)
-      _slice_independent(structure, plain, getattr(sj, preset), path, rng)
+  for path in paths:
+    for preset in PRESETS:
+      with warnings.catch_warnings():
+        warnings.simplefilter('ignore', sj.UnsureLabelWarning)
+        _slice_independent(structure, plain, getattr(sj, preset), path, rng)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(program=mp.programs(exclude=mp.KNOWN_FAILING['traced']), data=st.data())
+def test_undecided_leaves_are_slice_independent_under_every_preset(program, data):
+  """Every generated program, some of its leaves made undecided: under every preset,
+  one slice of any axis of an undecided leaf's gradient moves nothing else of it."""
+  _undecided_are_slice_independent(program, data, max_hide=2, every=False)
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(program=mp.programs(), data=st.data())
+def test_every_undecided_leaf_is_slice_independent_slow(program, data):
+  """As above, on more programs of the grown generator (ViT tokens, DenseGeneral kernels,
+  index dispatch, GShard, size coincidences), for every undecided leaf, not one."""
+  _undecided_are_slice_independent(program, data, max_hide=3, every=True)
 
 
 # ---------------------------------------------------------------------------- GShard top-2

@@ -11,12 +11,11 @@ splits the `backbone` tier of `moe_param_labels` accordingly, from paths and sha
    head_dim]`); when it is a per-channel convolution filter (under a `*conv*` module,
    with no input-channel axis, or one of length 1: a depthwise `[k, 1, C]` or `[C, k]`,
    whose taps are no feature space); when a path segment names an embedding
-   (`EMBEDDING_PATTERNS`: `*embed*`, `wte`, `wpe`, `lm_head`, `*vocab*`, `*logits*`);
-   or when one of its matrix axes has the vocabulary's size `V`, the first axis of a
-   table `[V, d]` so named with `V > d` (so an untied head `[d, V]` is found whatever
-   it is called);
+   (`EMBEDDING_PATTERNS`: `*embed*`, `wte`, `wpe`, `lm_head`, `*vocab*`, `*logits*`;
+   `pre_logits` is a block, below);
 2. **hidden** when a module of its path names a part of a block (`BLOCK_PATTERNS`:
-   attention, MLP, a shared expert, a `*_proj`ection), or when it is repeated across
+   attention, MLP, a shared expert, a `*_proj`ection, `pre_logits`) or its own name an
+   attention projection (`PROJECTION_NAMES`: `wq`, `query`, ...), or when it is repeated across
    layers (scanned axes, or the same shape at the same path in numbered siblings,
    `layers/0` and `layers/1`, `block_0` and `block_1`): an embedding or an output head
    is used once per model; or when it has three matrix axes or more (an attention
@@ -24,7 +23,9 @@ splits the `backbone` tier of `moe_param_labels` accordingly, from paths and sha
 3. **not hidden** when its own module names an output head (`HEAD_PATTERNS`: `head`,
    `*_head`, `output`, `classifier`);
 4. otherwise **unsure**: a 2-D matrix used once that no name tells from an embedding or
-   an output layer (`{'a': [V, d], 'z': [d, V]}`, a bare `w`, `proj` or `table`). It
+   an output layer (`{'a': [V, d], 'z': [d, V]}`, a bare `w`, `proj` or `table`); a
+   side as long as the vocabulary never decides alone (a hidden `[d, f]` may have
+   `f == V`). It
    stays `backbone`, the Adam-like rule that suits either, and is reported in the
    call's one `UnsureLabelWarning`, whose fix is the roles of `sj.trace_structure`.
 
@@ -37,7 +38,6 @@ import fnmatch
 import re
 from typing import Any, Optional, Sequence
 
-from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.structure import axes as _axes
 from skewadam_jax.structure import kernels as _kernels
@@ -56,12 +56,17 @@ HEAD_PATTERNS = ('head', '*_head', 'output', 'classifier')
 # experts (the dense modules of `rules.DEFAULT_RULES` and `rules.DENSE_RULES`) and the
 # projections in them (`q_proj`, `down_proj`, `out_proj`, GPT-2's `c_proj`).
 BLOCK_PATTERNS = ('*attn*', '*attention*', '*mlp*', '*ffn*', '*ffw*', '*feed_forward*',
-                  '*feedforward*', '*shared_expert*', '*_proj')
+                  '*feedforward*', '*shared_expert*', '*_proj', 'pre_logits', 'prelogits')
+# A leaf's own name that names an attention projection (`wq` of Mixtral and T5 layers,
+# DenseGeneral's `query`): hidden wherever it is stored (a flat layer dict too).
+PROJECTION_NAMES = ('wq', 'wk', 'wv', 'wo', 'wqkv', 'query', 'key', 'value')
 # The names a module gives its own matrix: the module is the segment before them.
 _PARAM_NAMES = ('kernel', 'weight', 'w', 'embedding')
 # A numbered sibling: a list index (`layers/0`) or a numbered module (`block_0`).
 _NUMBERED = re.compile(r'^(?:(.*)_)?\d+$')
-_SHOWN = 8  # unsure leaves named in the warning line; the others are counted
+# Unsure leaves named in the warning line; the others are counted (a leaf the warning
+# does not name is not reported: a generated ViT with random names has ~20).
+_SHOWN = 64
 
 
 def _matches(segment: str, patterns: Sequence[str]) -> bool:
@@ -69,7 +74,9 @@ def _matches(segment: str, patterns: Sequence[str]) -> bool:
 
 
 def _named_embedding(segs: tuple[str, ...]) -> bool:
-  return any(_matches(s.lower(), EMBEDDING_PATTERNS) for s in segs)
+  # (`pre_logits` is the hidden dense before the logits, not the logits' layer)
+  return any(_matches(s.lower(), EMBEDDING_PATTERNS) and not _matches(
+      s.lower(), BLOCK_PATTERNS) for s in segs)
 
 
 def _module(segs: tuple[str, ...]) -> str:
@@ -107,7 +114,7 @@ def _repeated(leaves: list[_paths.Leaf]) -> list[bool]:
   return [bool(leaf.scan) or counts[key] > 1 for leaf, key in zip(leaves, keys)]
 
 
-def _reading(leaf: _paths.Leaf, vocab: Optional[int], repeated: bool) -> Optional[bool]:
+def _reading(leaf: _paths.Leaf, repeated: bool) -> Optional[bool]:
   """True: a hidden matrix; False: not one; None: names and shapes cannot tell."""
   batch = tuple(sorted(leaf.axes or ()))
   if not _orthogonal.has_matrix(leaf.shape, batch) or _kernels.is_vector(leaf.segs):
@@ -115,11 +122,13 @@ def _reading(leaf: _paths.Leaf, vocab: Optional[int], repeated: bool) -> Optiona
   core = tuple(a for a in range(len(leaf.shape)) if a not in leaf.scan)
   if _per_channel_filter(leaf, core) or _named_embedding(leaf.segs):
     return False
-  matrix = _second_moment.Layout.of(len(leaf.shape), batch).matrix
-  if vocab is not None and vocab in [leaf.shape[a] for a in matrix]:
-    return False
-  if repeated or len(core) >= 3 or any(_matches(s, BLOCK_PATTERNS) for s in leaf.segs):
+  named = any(_matches(s, BLOCK_PATTERNS) for s in leaf.segs) or _matches(
+      _module(leaf.segs).lower(), PROJECTION_NAMES)
+  wide = [a for a in core if leaf.shape[a] > 1]  # a table [1, T, d] is 2-D
+  if repeated or len(wide) >= 3 or named:
     return True
+  # A side as long as the vocabulary's (`V`) never decides alone: a hidden matrix may
+  # have it (`f == V`), so an unnamed `[d, V]` used once stays unsure.
   return False if _matches(_module(leaf.segs), HEAD_PATTERNS) else None
 
 
@@ -146,23 +155,37 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
   Example:
     >>> import jax.numpy as jnp, skewadam_jax as sj
     >>> sj.hidden_param_labels({'embed': jnp.zeros((64, 8)), 'mlp': jnp.zeros((8, 32)),
-    ...                         'norm': jnp.zeros((8,)), 'out': jnp.zeros((8, 64))})
-    {'embed': 'backbone', 'mlp': 'hidden', 'norm': 'backbone', 'out': 'backbone'}
+    ...                         'norm': jnp.zeros((8,)), 'head': jnp.zeros((8, 64))})
+    {'embed': 'backbone', 'mlp': 'hidden', 'norm': 'backbone', 'head': 'backbone'}
   """
   labels = _labels.resolve_labels(params, param_labels)
   leaves, treedef = _axes.decide(params, labels)  # batch axes, scanned axes
-  vocab = _vocab_size([x.shape for x in leaves if _named_embedding(x.segs)])
   out, unsure = [], []
-  for leaf, label, again in zip(leaves, treedef.flatten_up_to(labels), _repeated(leaves)):
+  flat = treedef.flatten_up_to(labels)
+  biases = _general_biases([x for x, label in zip(leaves, flat)
+                            if label == _rules.DEFAULT_TIER], leaves)
+  for i, (leaf, label, again) in enumerate(zip(leaves, flat, _repeated(leaves))):
     hidden = None
     if label == _rules.DEFAULT_TIER:
-      hidden = _reading(leaf, vocab, again)
+      hidden = False if i in biases else _reading(leaf, again)
       if hidden is None:
         unsure.append(leaf)
     out.append(HIDDEN_TIER if hidden else label)
   if unsure:
     _warning.report([_unsure_line(unsure)], strict=False)
   return treedef.unflatten(out)
+
+
+def _general_biases(backbone: list[_paths.Leaf], leaves: list[_paths.Leaf]) -> set[int]:
+  """The leaves shaped like the trailing axes of a backbone kernel with more axes in their
+  module (DenseGeneral's bias `[heads, head_dim]` beside its kernel `[d, heads,
+  head_dim]`): biases, whatever they are called."""
+  kernels: dict[tuple[str, ...], set[tuple[int, ...]]] = {}
+  for leaf in backbone:
+    if len(leaf.core) >= 3:
+      kernels.setdefault(leaf.segs[:-1], set()).add(leaf.core[-2:])
+  return {i for i, leaf in enumerate(leaves)
+          if len(leaf.core) == 2 and leaf.core in kernels.get(leaf.segs[:-1], ())}
 
 
 def _unsure_line(leaves: list[_paths.Leaf]) -> str:
@@ -178,9 +201,3 @@ def _unsure_line(leaves: list[_paths.Leaf]) -> str:
           f"label it: sj.make_labeler([({leaves[0].path!r}, 'hidden')]) (in "
           'sj.hidden_param_labels, as below), or give the trace below with your policy, '
           'which reads every one from the computation')
-
-
-def _vocab_size(shapes: list[tuple[int, ...]]) -> Optional[int]:
-  """The largest `V` of the named tables `[V, d]` with `V > d` (token tables), or None."""
-  sizes = [s[0] for s in shapes if len(s) == 2 and s[0] > s[1]]
-  return max(sizes) if sizes else None

@@ -45,6 +45,9 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     ('*attn*', 'backbone'),
     ('*norm*', 'backbone'),
     ('*embed*', 'backbone'),
+    ('wq', 'backbone'),  # attention projections stored flat (`layer/{wq, wk, wv, w1, ...}`;
+    ('wk', 'backbone'),  # not `wo`: MoE banks are called that too)
+    ('wv', 'backbone'),
     # Routers.
     ('*router*', 'router'),  # router, gemma router_logits/router_scale, router_weights
     ('gate', 'router'),  # MaxText, HF Mixtral `block_sparse_moe/gate` (not `gate_proj`)

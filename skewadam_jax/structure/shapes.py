@@ -19,7 +19,8 @@ def _router_count(leaf: _paths.Leaf) -> Optional[int]:
   """The expert count E of a router kernel: [d, E] or (transposed) [E, d], read after
   the scanned axes are removed (a stacked router [R, d, E] or [d, L, E] is [d, E])."""
   core = leaf.core
-  if len(core) < 2 or any(s in leaf.segs[-1] for s in _kernels.NOT_KERNEL):
+  # (a router with three axes left is stacked by a scan no shape found: its E unknown)
+  if len(core) != 2 or any(s in leaf.segs[-1] for s in _kernels.NOT_KERNEL):
     return None
   return min(core[0], core[-1])  # E < d in every MoE
 
@@ -95,7 +96,7 @@ def block_structure(leaves: list[_paths.Leaf], use_axis_names: bool) -> None:
     found = []
     for leaf in children.get(block, []):
       core = leaf.core
-      if leaf.tier is not None or len(core) < 2:
+      if leaf.tier is not None or len(core) != 2:  # (a router is [d, E]: [d, H, hd] is not)
         continue
       torch_layout = leaf.segs[-1] == 'weight'  # [out, in]
       count = core[0] if torch_layout else core[-1]

@@ -19,6 +19,9 @@ from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import stacks as _stacks
 
 
+_RANKED_APART = 3  # rank >= 3 leaves in the default tier reported one line each
+
+
 def _rule_hint(path: str, tier: str) -> str:
   return f"sj.make_labeler([({path!r}, {tier!r})])"
 
@@ -161,25 +164,105 @@ def _bias_or_scale(leaves: list[_paths.Leaf]) -> list[str]:
           f'confirm it, e.g. {_rule_hint(leaf.path, leaf.tier)}']
 
 
+def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
+  """Leaves that shapes alone put in a bank although a size of theirs is no size of the
+  bank: the matrices of one bank share their widths (`[E, d, f]`, `[E, f, d]`, a bias
+  `[E, f]`, a fused `[E, d, 2f]`), so a member `[E, hd, d]` whose `hd` no other member
+  has is as well an attention kernel `[H, hd, d]` with `H == E`. Its tier is a guess;
+  it keeps it and is reported, with the rules that settle it."""
+  banks: dict[tuple[str, ...], list[_paths.Leaf]] = {}
+  for leaf in leaves:
+    if leaf.tier == 'experts' and leaf.source == 'structure' and leaf.count:
+      banks.setdefault(leaf.unit, []).append(leaf)
+  lines = []
+  for members in banks.values():
+    sizes = {x.path: [n for a, n in enumerate(x.core) if a != x.core.index(x.count)]
+             for x in members if x.count in x.core}
+    matrices = len([w for w in sizes.values() if len(w) >= 2])
+    if matrices < 2:
+      continue  # one matrix: nothing to compare its widths with
+    # Two matrices may be a fused gate and up [E, d, 2f] and its down [E, f, d].
+    factors = (1, 2, 0.5) if matrices == 2 else (1,)
+    for leaf in members:
+      others = {k * n for path, widths in sizes.items() if path != leaf.path
+                for n in widths for k in factors}
+      odd = [n for n in sizes.get(leaf.path, ()) if n not in others]
+      if not odd or leaf.note:
+        continue
+      reason = (f'labelled {leaf.tier!r} from its shape (an axis of {leaf.count}, the '
+                f'bank beside it), but its width {odd[0]} is no other leaf of the bank: '
+                f'as well a dense kernel whose axis has that length by coincidence (heads '
+                f'== E)')
+      leaf.note = f'UNSURE: {reason}'
+      lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it is dense, label it: '
+                   f"{_rule_hint(leaf.path, 'backbone')}, or confirm it: "
+                   f'{_rule_hint(leaf.path, leaf.tier)}')
+  return lines + _doubtful_banks(leaves)
+
+
+def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
+  """Banks that shapes alone found where a width of the model reads as an expert count:
+  banks of different counts in one module, each beside a router candidate of its own
+  (`{router [d, E], w_in [E, d, f], wq [d, H, hd], w2 [f, d]}` reads as a bank of E and
+  a bank of d experts: at most one is), a bank of as many experts as the widest vector
+  of the backbone (a norm gain [d]: E < d in every MoE), or one beside a bank the names
+  found below its module (`{router, experts: [...], wo [E, hd, d]}`: one router, one
+  bank). No shape tells; every such leaf keeps its guess and is reported."""
+  widest = max((x.core[0] for x in leaves if len(x.core) == 1 and x.tier not in (
+      'experts', 'router')), default=None)
+  modules: dict[tuple[str, ...], list[_paths.Leaf]] = {}
+  for leaf in leaves:
+    if leaf.tier in ('experts', 'router') and leaf.source == 'structure':
+      modules.setdefault(leaf.segs[:-1], []).append(leaf)
+  lines = []
+  for module, members in modules.items():
+    counts = {x.count for x in members if x.tier == 'experts' and x.count}
+    # (a bank the names found below this module: its router serves that one)
+    # (or numbered units reported beside a router candidate, which may be that bank)
+    named = any((x.tier == 'experts' and x.source != 'structure' or x.note.startswith(
+        'UNSURE: one of')) and len(x.segs) > len(module) + 1
+        and x.segs[:len(module)] == module for x in leaves)
+    if len(counts) < 2 and not (counts and widest and max(counts) >= widest) and not (
+        counts and named):
+      continue
+    found = [x for x in members if not x.note]
+    for leaf in found:
+      leaf.note = ('UNSURE: one of banks of ' + ' and '.join(map(str, sorted(counts)))
+                   + ' experts read from shapes in one module (see the warning)')
+    if found:
+      shown = ', '.join(f'{x.path} {list(x.shape)} ({x.tier})' for x in found)
+      lines.append(
+          f"{shown}: banks of {' and '.join(map(str, sorted(counts)))} experts, each "
+          f"beside a router candidate, read from shapes alone in {'/'.join(module)}: "
+          'at most one is a bank, and E < d (a length shared by coincidence reads as '
+          'another), which no shape tells; labelled as shown; label the dense ones, e.g. '
+          f"{_rule_hint(found[0].path, 'backbone')}")
+  return lines
+
+
 def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
             found: Optional[_stacks.Structure] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
   lines = (_unit_findings(leaves, use_axis_names) + _bias_or_scale(leaves)
-           + _router_inputs(leaves, use_axis_names))
+           + _router_inputs(leaves, use_axis_names) + _odd_members(leaves))
   counts = _rules.router_counts(leaves)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:
       leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
     lines.append(line)
+  ranked = []  # rank >= 3 leaves left in the default tier: one line each, or one for all
+  modules = {x.segs for x in leaves}
   for leaf in leaves:
     where = f'{leaf.path} {list(leaf.shape)}'
     core = leaf.core
     if leaf.source == 'default' and len(core) >= 3 and core[0] > 1 and not (
-        use_axis_names and leaf.names_well_formed) and not leaf.note:
+        use_axis_names and leaf.names_well_formed) and not leaf.note and not (
+        leaf.segs[-1] == 'wo' and leaf.segs[:-1] + ('wq',) in modules):  # attention's
       scanned = f' beside scanned axes {sorted(leaf.scan)}' if leaf.scan else ''
       reason = (f'rank-{len(core)} leaf{scanned} left in {leaf.tier!r} by default (no '
                 'rule or structure says what it is)')
       leaf.note = f'UNSURE: {reason}'
+      ranked.append(leaf)
       lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
                    f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
@@ -193,6 +276,13 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
       leaf.note = f'UNSURE: {reason}'
       lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, 'experts')}, or "
                    'pass param_labels=sj.moe_param_labels(params, use_axis_names=True)')
+  if len(ranked) > _RANKED_APART:  # one line naming them all (the warning shows 10 lines)
+    lines = [x for x in lines if not any(x.startswith(f'{y.path} [') for y in ranked)]
+    lines.append(f"{', '.join(f'{x.path} {list(x.shape)}' for x in ranked)}: rank >= 3 "
+                 f"leaves left in {ranked[0].tier!r} by default (no rule or structure says "
+                 "what they are); if one is an expert bank, label it, e.g. "
+                 f"{_rule_hint(ranked[0].path, 'experts')}, or confirm it: "
+                 f'{_rule_hint(ranked[0].path, ranked[0].tier)}')
   routers = [x for x in leaves if x.tier == 'router']
   experts = [x for x in leaves if x.tier == 'experts']
   for mine, others, what, missing, hint in (

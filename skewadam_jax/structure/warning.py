@@ -165,8 +165,14 @@ def report(lines: list[str], strict: bool) -> None:
     pending.extend(line for line in lines if line not in pending)
 
 
+# Lines shown in one warning: a leaf it does not name is not reported (one line per layer
+# of a Python loop, and a ViT with random names, hold a few dozen).
+_SHOWN_LINES = 40
+
+
 def _body(lines: list[str]) -> str:
-  shown = lines[:10] + ([f'... and {len(lines) - 10} more'] if len(lines) > 10 else [])
+  n = _SHOWN_LINES
+  shown = lines[:n] + ([f'... and {len(lines) - n} more'] if len(lines) > n else [])
   return '\n'.join(f'  - {line}' for line in shown)
 
 

@@ -193,7 +193,8 @@ def _role(analysis: _analysis.Analysis, k: int, tier: str, ndim: int) -> tuple[s
   per-expert vector); a backbone leaf is an embedding when rows of it are gathered, the
   output layer when its contraction with activations makes the outputs (nothing
   contracted after it), a hidden matrix when otherwise contracted with activations with
-  a matrix left beside its batch axes, and a bias or gain when added to or multiplying
+  a matrix left beside its batch axes (a convolution of the raw inputs only, ViT's
+  patches, is the input layer: an embedding), and a bias or gain when added to or multiplying
   activations elementwise.
 
   Args:
@@ -212,6 +213,8 @@ def _role(analysis: _analysis.Analysis, k: int, tier: str, ndim: int) -> tuple[s
     return (_results.EXPERT_BANK if ndim >= 2 else _results.EXPERT_VECTOR), ''
   if 'gathered' in uses:
     return _results.EMBEDDING, f'rows gathered at {uses["gathered"]}'
+  if 'input' in uses and 'contracted' not in uses:  # the first layer: never hidden
+    return _results.EMBEDDING, f'a convolution of the raw inputs at {uses["input"]}'
   if 'contracted' in uses and k in analysis.out_last:
     return _results.OUTPUT_LAYER, (f'contracted with activations at {uses["contracted"]}, '
                                    'nothing contracted after it')

@@ -43,11 +43,17 @@ def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   # A parameter (its own values, not activations its axes reached) contracted with
   # activations: a layer's matrix, whose output is the last layer's until another.
   last = set()
-  for mine, other, dims in ((lhs, rhs, lc), (rhs, lhs, rc)):
-    if other.data and not mine.data:
+  for mine, other, dims, batch in ((lhs, rhs, lc, lb), (rhs, lhs, rc, rb)):
+    if mine.data:
+      continue
+    kept = _matrix_axes(mine, dims, batch)
+    if other.data:
       for d in dims:
-        an.used(mine.axes[d], 'contracted', eqn)
-        last |= {leaf for leaf, _ in _info.params_of(mine.axes[d])}
+        an.used(kept[d], 'contracted', eqn)
+        last |= {leaf for leaf, _ in _info.params_of(kept[d])}
+    elif any(_info.params_of(other.axes[d]) for d in (lc if mine is rhs else rc)):
+      for d in dims:  # a learned input (a probe, a query) through this matrix
+        an.used(kept[d], 'contracted', eqn)
   # A batch dimension both of whose operands' axes come from parameters: per-slice
   # matrices on per-slice activations (a `vmap` over stacked layers lowered).
   axes = [lhs.axes[a] | rhs.axes[b] | (
@@ -57,6 +63,20 @@ def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb]
   data, routed = _info.common(ins)
   return [Info(tuple(axes), data, routed, last=frozenset(last) if last else None)]
+
+
+def _matrix_axes(mine: Info, dims: Any, batch: Any) -> tuple[frozenset, ...]:
+  """`mine`'s axes with, on its contracted `dims`, only the leaves that also own one of
+  its free axes (a matrix: one side contracted, the other kept): a bias `[H, hd]` added
+  to a query contracts its `hd` with the keys, but leaves nothing of its own beside
+  it. An operand with no free axis (a vector contracted whole) keeps them all."""
+  free = [t for i, t in enumerate(mine.axes) if i not in dims and i not in batch]
+  if not free:
+    return mine.axes
+  owners = {leaf for t in free for leaf, _ in _info.params_of(t)}
+  return tuple(t if i not in dims else frozenset(
+      x for x in t if not isinstance(x[0], int) or x[0] in owners)
+      for i, t in enumerate(mine.axes))
 
 
 def ragged_dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
@@ -87,19 +107,23 @@ def _contracted(an: _analysis.Analysis, eqn: Any, lhs: Info, rhs: Info, dims: An
   recorded, and its leaves are the last layer's (None if not such a contraction)."""
   if not lhs.data or rhs.data:
     return None
-  for d in dims:
-    an.used(rhs.axes[d], 'contracted', eqn)
+  for d in dims:  # a convolution of the raw inputs (ViT's patches): an input layer
+    raw = not lhs.deps and eqn.primitive.name == 'conv_general_dilated'
+    an.used(rhs.axes[d], 'input' if raw else 'contracted', eqn)
   last = frozenset(leaf for d in dims for leaf, _ in _info.params_of(rhs.axes[d]))
   return last or None
 
 
 def conv_general_dilated(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
-  """A convolution: batch from the input, output features from the kernel."""
+  """A convolution: batch and positions from the input, output features from the
+  kernel."""
   lhs, rhs = ins[0], ins[1]
   lspec, rspec, ospec = eqn.params['dimension_numbers']
   axes = [_info.EMPTY] * len(_info.shape_of(eqn.outvars[0]))
   axes[ospec[0]] = lhs.axes[lspec[0]]
   axes[ospec[1]] = rhs.axes[rspec[0]]
+  for o, i in zip(ospec[2:], lspec[2:]):  # positions (patches) from the input's positions
+    axes[o] = lhs.axes[i]
   data, routed = _info.common(ins)
   return [Info(tuple(axes), data, routed, last=_contracted(an, eqn, lhs, rhs, rspec[1:]))]
 

@@ -88,6 +88,9 @@ def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
                                                       tuple(src[i] for i in gi))
         continue
       axes[next(j for j in gj if dst[j] > 1)] = flags
+      if _info.INPUT_AXIS in flags:  # every part of an input's axis is the input's (the
+        for j in gj:  # positions of [B * S] -> [B, S], whatever a table added along S)
+          axes[j] = axes[j] | {_info.INPUT_AXIS} if dst[j] > 1 else axes[j]
       if len(gi) == 1:
         sizes = tuple(dst[j] for j in gj)
         for j, part in zip(gj, _split_tokens(x.axes[gi[0]], sizes)):

@@ -207,6 +207,29 @@ def test_a_stack_and_a_bank_that_could_be_confused_are_reported():
   assert fixed(tree)['blk']['grp']['w_in'] == 'experts'
 
 
+def test_the_suggested_batch_axes_rule_keeps_the_users_labels():
+  """The batch-axes fix the report prints, pasted beside the user's own labeler, gets
+  that labeler's labels (a `batch_axes` function that takes `param_labels` is passed
+  them), so the bank keeps its experts' tier and both of its axes."""
+  tree = {'tok': {'table': _z(V, D)},
+          'blk': {'proj': {'kernel': _z(D, 4)},
+                  'grp': {'w_in': _z(6, 4, D, F), 'w_out': _z(6, 4, F, D)}}}
+  with pytest.warns(sj.UnsureLabelWarning) as caught:
+    sj.label_table(sj.skewadam(1e-3), tree)
+  text = '\n'.join(str(w.message) for w in caught)
+  found = re.search(r"batch_axes=(lambda p, param_labels: sj\.moe_batch_axes\(.*?\]\))", text)
+  assert found, text
+  pasted = eval(found.group(1).replace('<layer and expert axes>', '0, 1'),  # noqa: S307
+                {'sj': sj})
+  labels = sj.make_labeler([('blk/grp', 'experts'), ('blk/proj', 'router')], strict=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    rows = {r.path: r for r in sj.label_table(
+        sj.skewadam(1e-3, param_labels=labels, batch_axes=pasted), tree)}
+  assert rows['blk/grp/w_in'].tier == rows['blk/grp/w_out'].tier == 'experts'
+  assert rows['blk/grp/w_in'].batch_axes == rows['blk/grp/w_out'].batch_axes == (0, 1)
+
+
 def test_one_module_sharing_a_length_no_one_else_has_is_reported_whole():
   """One module's leaves share a leading length 4 that no leaf outside has and no router
   maps to: a stack of 4 layers or a bank of 4 experts. The rank-2 leaves (a scale and a

@@ -36,3 +36,20 @@ def test_other_warnings_and_other_modules_stay_warnings():
     _warn_from('skewadam_jax_examples', FutureWarning)  # not a module of the package
   assert [w.category for w in caught] == [sj.UnsureLabelWarning, DeprecationWarning,
                                           FutureWarning]
+
+
+def test_a_script_read_from_stdin_gets_the_warning_not_an_error():
+  # `python -` gives `__main__` a loader that cannot return source lines; the warning
+  # (attributed to the user's line) must still be shown, not raise ImportError.
+  import subprocess
+  import sys
+  script = ('import jax.numpy as jnp, skewadam_jax as sj\n'
+            "tree = {'blk': {'w': jnp.zeros((4, 8, 16)), 'u': jnp.zeros((4, 16, 8)),"
+            " 's': jnp.zeros((4, 8))}, 'out': jnp.zeros((8, 32))}\n"
+            'sj.label_table(sj.skewadam(1e-3), tree)\n'
+            "print('done')\n")
+  proc = subprocess.run([sys.executable, '-'], input=script, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == 'done'
+  assert 'UnsureLabelWarning' in proc.stderr, proc.stderr[-2000:]

@@ -237,7 +237,8 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
           f"{where}/** ({', '.join(paths[i] for i in members[:3])}"
           f"{', ...' if len(members) > 3 else ''}): every leaf shares more than one axis "
           f'length, so a stack of layers and a bank of experts could be confused ({said}); '
-          "say which: batch_axes=lambda p: sj.moe_batch_axes(p, rules=[('"
+          'say which: batch_axes=lambda p, param_labels: sj.moe_batch_axes('
+          "p, param_labels, rules=[('"
           f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
           f"param_labels=sj.make_labeler([('{where}', 'experts')])", members))
   for module, members, layer in _kernels.sibling_stacks(segs, shapes, scan, tiers,
@@ -301,7 +302,8 @@ def _lone_finding(prefix: tuple[str, ...], members: list[int],
   return (f"{where}/** ({', '.join(paths[i] for i in members)}): the leaves of one module "
           f'share {axes}, which no leaf outside has and no router maps to, so it is the '
           'layer axis of a stack or the expert axis of a bank whose router is not in sight; '
-          "say which: batch_axes=lambda p: sj.moe_batch_axes(p, rules=[('"
+          'say which: batch_axes=lambda p, param_labels: sj.moe_batch_axes('
+          "p, param_labels, rules=[('"
           f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
           f"param_labels=sj.make_labeler([('{where}', 'experts')])")
 

@@ -220,7 +220,13 @@ def _warn(lines: list[str]) -> None:
     warnings.warn(message, UnsureLabelWarning, stacklevel=2)
     return
   module_globals = frame.f_globals
-  warnings.warn_explicit(message, UnsureLabelWarning, frame.f_code.co_filename,
-                         frame.f_lineno, module=module_globals.get('__name__'),
-                         registry=module_globals.setdefault('__warningregistry__', {}),
-                         module_globals=module_globals)
+  where = dict(module=module_globals.get('__name__'),
+               registry=module_globals.setdefault('__warningregistry__', {}))
+  try:
+    warnings.warn_explicit(message, UnsureLabelWarning, frame.f_code.co_filename,
+                           frame.f_lineno, module_globals=module_globals, **where)
+  except ImportError:
+    # The caller's globals let the warning show its source line, through their module's
+    # loader; code read from stdin (`python -`) has a loader that cannot give it.
+    warnings.warn_explicit(message, UnsureLabelWarning, frame.f_code.co_filename,
+                           frame.f_lineno, **where)

@@ -59,3 +59,22 @@ def test_every_referenced_test_exists(doc, file, names):
   if names:
     assert names in _names(file), (
         f'{doc} names tests/{file}::{"::".join(names)}, which tests/{file} does not define')
+
+
+@pytest.mark.slow
+def test_linen_recipe_prints_the_docs_tables():
+  # docs/recipes.md pastes the output of tools/recipes/linen_skewadam.py: its label table
+  # and both memory reports must be what the script prints now (the losses are left
+  # out, as they may differ in the last digit across machines).
+  import subprocess
+  import sys
+  text = (ROOT / 'docs' / 'recipes.md').read_text()
+  section = text[text.index('## 3. A plain Flax Linen MoE'):]
+  pasted = re.search(r'```\n(path.*?)```', section, re.S).group(1)
+  expected = [line.rstrip() for line in pasted.splitlines()
+              if line.strip() and not line.startswith('step ')]
+  run = subprocess.run([sys.executable, 'tools/recipes/linen_skewadam.py'], cwd=ROOT,
+                       capture_output=True, text=True, check=True, timeout=600)
+  printed = [line.rstrip() for line in run.stdout.splitlines()]
+  missing = [line for line in expected if line not in printed]
+  assert not missing, missing

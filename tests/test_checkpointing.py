@@ -138,6 +138,13 @@ def test_every_saved_step_has_a_manifest_of_its_files(tmp_path):
     assert (tmp_path / str(step) / checkpointing.MANIFEST).is_file()
 
 
+def test_the_three_newest_steps_are_kept_by_default(tmp_path):
+  # docs/checkpointing.md: `keep` (3) steps are kept, so a damaged newest step has a
+  # previous one to fall back to.
+  _train(SKEWADAM, tmp_path, 10, every=2)
+  assert _steps(tmp_path) == [6, 8, 10]
+
+
 def test_temporary_directory_of_an_unfinished_save_is_never_restored(tmp_path):
   tx = SKEWADAM
   _train(tx, tmp_path, 4)

@@ -937,3 +937,14 @@ def test_coded_leaves_of_one_shape_share_one_traced_step(shapes, bits, seed):
     m1, m2 = (np.asarray(bound.decode(s.mu[k])) for s in (s1, s2))
     level = np.max(np.asarray(s1.mu[k].scales)) / q
     assert np.all(np.abs(m1 - m2) <= level * (1 + 1e-6))
+
+
+@pytest.mark.parametrize('bits,block_size,per_element', [
+    (8, 256, 1 + 4 / 256), (4, 64, 0.5 + 4 / 64), (5, 256, 5 / 8 + 4 / 256),
+    (6, 256, 6 / 8 + 4 / 256)])
+def test_stored_bytes_per_element_are_the_codes_width_and_a_float32_scale_per_block(
+    bits, block_size, per_element):
+  # docs/estimators.md's figures: `bits` / 8 B of codes and one float32 scale per block.
+  param = jnp.zeros((64, 1024))
+  codec = sj.Blockwise(bits=bits, block_size=block_size).for_leaf(param.shape, ())
+  assert sj.state_bytes(codec.init(param, 'w')) == per_element * param.size

@@ -185,3 +185,17 @@ def test_reports_of_a_tree_with_integer_leaves():
   # leaves count as step counters).
   adamw = sj.memory_report(optax.adamw(1e-3), WITH_INTS).total_state_bytes
   assert adamw - sj.memory_report(optax.adamw(1e-3), PARAMS).total_state_bytes == 2 * 5 * 4
+
+
+@pytest.mark.parametrize('name', ['scale_by_tiers', 'scale_by_tiered_adam',
+                                  'scale_by_grouped_second_moment'])
+@pytest.mark.parametrize('grad_dtype', DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_a_scaling_transform_without_params_updates_in_the_gradients_dtype(name,
+                                                                          grad_dtype):
+  # docs/numerics.md: with no params to promote with, the update keeps the gradient's
+  # dtype, whatever dtype the state was initialised from.
+  tx = TRANSFORMS[name]()
+  state = tx.init(PARAMS)
+  grads = jax.tree.map(lambda p: jnp.ones(p.shape, grad_dtype), PARAMS)
+  updates, _ = tx.update(grads, state)
+  assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(grad_dtype)}

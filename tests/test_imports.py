@@ -188,3 +188,18 @@ def test_modules_and_classes_are_of_a_readable_size(name):
          if isinstance(node, ast.ClassDef)
          and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
   assert not big, f'{name}: {big}'
+
+
+BUILTIN_ESTIMATORS_AND_CODECS = {'Exact', 'Factored', 'Grouped', 'Orthogonal', 'Blockwise'}
+
+
+def test_the_plan_is_the_only_carrier_of_decisions():
+  # docs/architecture.md: the tier step reads an estimator's or codec's protocol, never
+  # its type, and no context variable carries a decision from `init` to the reports.
+  tier_leaf = ast.parse((PACKAGE / 'transforms' / 'tier_leaf.py').read_text())
+  named = {n.id for n in ast.walk(tier_leaf) if isinstance(n, ast.Name)}
+  named |= {n.attr for n in ast.walk(tier_leaf) if isinstance(n, ast.Attribute)}
+  assert not named & BUILTIN_ESTIMATORS_AND_CODECS, named & BUILTIN_ESTIMATORS_AND_CODECS
+  for layer in ('transforms', 'reports', 'integrations'):
+    for path in (PACKAGE / layer).glob('*.py'):
+      assert 'contextvars' not in path.read_text(), path

@@ -113,3 +113,31 @@ def test_python_float_leaves_count_as_0d_float32_arrays():
       ('s', (), 'float32', 4), ('w', (4, 4), 'float32', 64)]
   assert rows == sj.label_table(sj.skewadam(1e-3), array)
   assert _memory.leaf_bytes(1.0) == 4 and _memory.leaf_bytes('text') == 0
+
+
+def test_policy_state_figures_of_docs_update_rules_on_the_published_moe():
+  # docs/update-rules.md's figures, each an exact count of the state's bytes.
+  params = paper_params()
+
+  def total(tiers):
+    return sj.memory_report(sj.skewadam(3e-4, tiers=tiers), params).total_state_bytes
+
+  # One copy of the router kernel more than the published tiers (+0.15%).
+  assert total(sj.ADAM_EPS_TIERS) == total(sj.ADAM_ROUTER_TIERS) == 1_382_897_152
+  assert 1_382_897_152 - 1_380_800_000 == 4 * D * E
+  # MUON_TIERS with the published factored expert tier instead.
+  factored_experts = dict(sj.MUON_TIERS, experts=sj.PUBLISHED_TIERS['experts'])
+  assert total(factored_experts) == 1_382_585_856
+  coded = sj.MUON_CODED_TIERS
+  # The same policy with fp32 momentum: 50.0% of AdamW's.
+  assert total({k: t.replace(mu_codec=None) for k, t in coded.items()}) == 27_139_806_720
+  # The first MUON_CODED_TIERS: 4-bit expert codes in blocks of 64, 8-bit hidden codes,
+  # fp32 backbone momentum: 8.5% of AdamW's.
+  first = {**coded, 'backbone': coded['backbone'].replace(mu_codec=None),
+           'hidden': coded['hidden'].replace(
+               mu_codec=sj.Blockwise(8, 256, 'linear', fit='nearest')),
+           'experts': coded['experts'].replace(
+               mu_codec=sj.Blockwise(4, 64, 'linear', fit='nearest', rounding='stochastic'))}
+  assert total(first) == 4_593_325_568
+  assert round(100 * 4_593_325_568 / 54_274_621_440, 1) == 8.5
+  assert round(100 * 27_139_806_720 / 54_274_621_440, 1) == 50.0

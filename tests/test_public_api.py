@@ -70,3 +70,24 @@ def test_factories_type_their_hyperparameters_as_optax_does():
       if name in hints:
         assert hints[name] == hint, (factory.__name__, name, hints[name])
     assert {'b1', 'b2', 'eps'} <= set(hints), factory.__name__
+
+
+def test_api_table_names_every_public_name_with_real_arguments():
+  # docs/api.md's table: every public name is in its first column, and each
+  # `name(arg, ...)` there lists real parameters of `name`, in the signature's order
+  # (a table row may leave rarely used ones out).
+  import inspect
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'api.md').read_text()
+  first = ' '.join(line.split(' | ')[0] for line in text.splitlines()
+                   if line.startswith('| `'))
+  missing = [n for n in sj.__all__ if not re.search(rf'`{n}\b|, {n}\b|\({n}\)', first)]
+  assert not missing, missing
+  for name, args in re.findall(r'`(\w+)\(([^`]*)\)`', first):
+    assert name in sj.__all__, name
+    documented = [a.split('=')[0].strip().lstrip('*') for a in args.split(',')]
+    documented = [a for a in documented if a and a not in ('', '...')]
+    real = list(inspect.signature(getattr(sj, name)).parameters)
+    positions = [real.index(a) if a in real else -1 for a in documented]
+    assert -1 not in positions and positions == sorted(positions), (name, documented, real)

@@ -163,3 +163,17 @@ def test_apply_updates_stochastic_matches_optax_on_non_bf16_leaves():
   for k in params:
     assert got[k].dtype == want[k].dtype
     np.testing.assert_array_equal(got[k], want[k])
+
+
+@pytest.mark.parametrize('fraction', [0.25, 0.75])
+def test_values_in_the_last_bf16_gap_round_to_inf_with_their_fraction(fraction):
+  # bf16's largest finite value and the gap above it (Inf, where the next value would
+  # be); float32 values inside that gap round up, to Inf, with their fraction of it.
+  top = float(jnp.finfo(jnp.bfloat16).max)
+  gap = 2.0 ** (127 - 7)
+  x = jnp.full((COPIES,), top + fraction * gap, jnp.float32)
+  r = np.asarray(sj.stochastic_round(x, jax.random.key(0)), np.float32)
+  assert set(np.unique(r)) == {np.float32(top), np.float32(np.inf)}
+  # 5 standard deviations of the binomial mean over COPIES draws.
+  sigma = np.sqrt(fraction * (1 - fraction) / COPIES)
+  assert abs(np.mean(np.isinf(r)) - fraction) < 5 * sigma

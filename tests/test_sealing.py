@@ -213,3 +213,17 @@ def test_seal_refuses_what_is_not_a_description(tmp_path):
     sj.seal_checkpoint(tmp_path / 'missing')
   with pytest.raises(ValueError, match='describe_state'):
     sj.seal_checkpoint(tmp_path, {'params': {}})
+
+
+@pytest.mark.parametrize('bits', [4, 6, 8])
+def test_codes_read_with_another_mapping_are_noise(bits):
+  # Why the codec is compared at restore: codes of one mapping decoded with another of
+  # the same bits and block size keep every shape and give no error, only noise.
+  x = jax.random.normal(jax.random.key(0), (64, 256))
+  linear = sj.Blockwise(bits=bits, mapping='linear').for_leaf(x.shape, ())
+  dynamic = sj.Blockwise(bits=bits, mapping='dynamic').for_leaf(x.shape, ())
+  coded = linear.encode(x)
+  misread = dynamic.decode(coded)
+  assert misread.shape == x.shape
+  assert float(jnp.linalg.norm(misread - x) / jnp.linalg.norm(x)) > 0.5
+  assert float(jnp.linalg.norm(linear.decode(coded) - x) / jnp.linalg.norm(x)) < 0.2

@@ -14,8 +14,8 @@ are left out.
 The choice is made when the step is lowered for its platform, as
 `jax.lax.platform_dependent` does, but with identity primitives that have a CPU
 lowering of their own: tracing one costs a single `bind`, where `platform_dependent`
-traces both branches into a conditional at every call site (+1 s of tracing on a
-32-layer MoE tree).
+traces both branches into a conditional at every call site (its tracing time on a
+32-layer MoE tree: benchmarks/RESULTS.md, "Numbers behind the library's choices").
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ def cpu_fusion_boundary(x: jax.Array) -> jax.Array:
   """`x` (float32) computed by its own kernel on the CPU; `x` unchanged elsewhere.
 
   XLA:CPU fuses a reduction of `x` into the reduction that produced it, and the fused
-  kernel runs 1.5-10x slower than the two separate reductions (measured on
-  [128, 512, 512] and [50304, 512]). An optimisation barrier does not stop that fusion;
+  kernel runs slower than the two separate reductions (measured:
+  benchmarks/RESULTS.md, "Numbers behind the library's choices").
+  An optimisation barrier does not stop that fusion;
   `reduce_precision` to float32's own exponent and mantissa widths is an exact identity
   that the fused kernel cannot contain, so it does.
   """

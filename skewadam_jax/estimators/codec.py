@@ -136,8 +136,9 @@ class StateCodec(abc.ABC):
 def _no_derivative(scales: jax.Array) -> jax.Array:
   """The scales of new codes, refusing a derivative: the codes beside them are
   integers, so a derivative through a stored coded momentum would flow through its
-  scales alone and be silently wrong (measured: 2.43 against 1.59 for the same float32
-  momentum). One step's update is computed from the float32 momentum, not from these,
+  scales alone and be silently wrong (measured:
+  benchmarks/RESULTS.md, "Numbers behind the library's choices").
+  One step's update is computed from the float32 momentum, not from these,
   so `jax.grad` of an update with respect to its gradient stays exact."""
   return scales
 

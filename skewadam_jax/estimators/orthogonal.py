@@ -33,11 +33,9 @@ Cost: unlike the other estimators, the step is compute-bound and has full-size
 temporaries (the `X` of every matrix and the Gram products of each iteration, all
 batch slices at once). `ns_dtype` sets the iteration's dtype: bfloat16 operands with
 float32 accumulation, as Muon runs it, or float32; the default 'auto' is bfloat16 on
-GPU and TPU and float32 on CPU (see `iteration_dtype`). Measured on XLA:CPU
-(`benchmarks/step_time.py`, the 128.7M MoE tree with 128 experts of [512, 512]):
-`MUON_TIERS`' update + apply holds 1,334.5 MiB of XLA temporaries, 2.72x the parameter
-bytes (`optax.contrib.muon` on the same matrices: 1,694.5 MiB, 3.45x), and takes about
-68x `optax.adamw`'s time on 2 cores.
+GPU and TPU and float32 on CPU (see `iteration_dtype`). Its temporaries and time on
+XLA:CPU, against `optax.contrib.muon`'s:
+benchmarks/RESULTS.md, "Numbers behind the library's choices".
 
 References:
   Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024
@@ -125,12 +123,12 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   matrix `A`, the polynomial `b A + c A A`) and accumulates in float32
   (`preferred_element_type`); the norm and the elementwise sums are float32, rounded
   to bfloat16 once per iteration. Each step thus rounds its operands to 8 significant
-  bits (relative error <= 2^-8 each); measured over random wide, tall and banked
-  matrices, the factor is within 0.07 of the float32 one in relative Frobenius norm
-  (median 0.022, about 6 * 2^-8), and its singular values within 0.1, inside the
-  spread the float32 iteration leaves around 1 ([0.68, 1.13]); tests/test_orthogonal.py
-  states the bounds and why. Rounding the products to bfloat16 as well (the iteration
-  without float32 accumulation) measured 2.5x that distance.
+  bits (relative error <= 2^-8 each); the factor stays within 0.1 of the float32 one
+  in relative Frobenius norm and its singular values within 0.15, inside the spread the
+  float32 iteration leaves around 1; tests/test_orthogonal.py states the bounds and
+  why. Rounding the products to bfloat16 as well (the iteration without float32
+  accumulation) is further off (measured:
+  benchmarks/RESULTS.md, "Numbers behind the library's choices").
 
   Args:
     x: the matrices, `[..., R, C]`, float32 or bfloat16.

@@ -4,7 +4,8 @@
 momentum and a factored second moment, the expert bank only a factored second moment
 per expert, the router an exact one. The others are ours. `ADAM_EPS_TIERS`: the same
 tiers with Adam's additive eps and an fp32 router momentum, which train well at AdamW's
-own learning rate (the published floor wants a larger one) for 2% more state.
+own learning rate (the published floor wants a larger one) for one more copy of the
+router kernel.
 `ADAM_ROUTER_TIERS`: the published backbone and experts with that router alone, at the
 published tiers' learning rate. `MUON_TIERS`: Muon's orthogonalised momentum on the
 hidden matrices; `MUON_CODED_TIERS`: the same with Muon's per-expert Nesterov momentum on

@@ -41,8 +41,10 @@ def tier_scalars(tiers: Sequence[Tier], b1: Any, b2: Any, t: jax.Array
 
   The bias corrections and their quotients and roots are scalar operations that XLA
   will not fuse into several consumers (a power, a division or a root is too costly to
-  recompute), so each one became a kernel of its own, about 20 ms of compile each on
-  XLA:CPU however small. Here every entry is one element of a single elementwise
+  recompute), so each one became a kernel of its own, with a compile cost of its own on
+  XLA:CPU however small (measured:
+  benchmarks/RESULTS.md, "Numbers behind the library's choices").
+  Here every entry is one element of a single elementwise
   expression over a vector,
 
     e = (a x) / y,   x = 1 - b^t (or its square root, or 1),   y = 1 - c^(t + d) (or 1),

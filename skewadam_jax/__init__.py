@@ -36,7 +36,7 @@ from skewadam_jax.estimators.base import SecondMoment
 from skewadam_jax.estimators.base import Shared
 from skewadam_jax.estimators.base import SharedGroup
 from skewadam_jax.estimators.base import Step
-from skewadam_jax.estimators.orthogonal import NewtonSchulzGroup
+from skewadam_jax.estimators.newton_schulz import NewtonSchulzGroup
 # State codecs: a tier's momentum stored as blockwise low-bit codes (`Tier(mu_codec=...)`).
 from skewadam_jax.estimators.codec import Blockwise
 from skewadam_jax.estimators.codec import Coded

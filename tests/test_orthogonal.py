@@ -393,7 +393,7 @@ def test_shared_calls_pad_few_small_matrices_into_a_larger_shape(leaves):
   # Shapes: a [4, 8] holds b [2, 8] and d [3, 5]; c [5, 5] holds d; nothing holds a or c
   # but themselves. A leaf joins a larger call only if its shape's matrices are at most
   # 1/8 of that call's own; every leaf is in exactly one call, of one iteration.
-  from skewadam_jax.estimators.orthogonal import NewtonSchulzGroup
+  from skewadam_jax.estimators.newton_schulz import NewtonSchulzGroup
   from skewadam_jax.transforms import tier_leaf
   wide = {'a': (4, 8), 'b': (2, 8), 'c': (5, 5), 'd': (3, 5)}
   keys = [NewtonSchulzGroup(wide[s], ('it',)) for s, _ in leaves]
@@ -425,26 +425,26 @@ def test_shared_iteration_in_equal_chunks_is_the_separate_calls(sizes, max_batch
   # chunks' body is compiled (`lax.map`) where the reference runs op by op, so the two
   # round differently (fused multiply-adds) and five iterations grow that: within 1e-5
   # of the update's RMS, as against optax's float32 Muon.
-  from skewadam_jax.estimators import orthogonal
+  from skewadam_jax.estimators import newton_schulz as ns
   rng = np.random.default_rng(sum(sizes))
   # Mixed shapes, tall ones among them: zero-padded into one [R, C] buffer, wide.
   shapes = [(6, 9), (9, 6), (4, 9), (6, 7), (3, 3)]
   mats = [jnp.asarray(rng.standard_normal((n,) + shapes[i % len(shapes)]), jnp.float32)
           for i, n in enumerate(sizes)]
   key = jnp.float32(3.0) if keyed else None
-  got = orthogonal.newton_schulz_shared(mats, max_batch=max_batch, key=key)
+  got = ns.newton_schulz_shared(mats, max_batch=max_batch, key=key)
   for m, g in zip(mats, got):
     assert g.shape == m.shape
     _assert_close_in_rms(np.asarray(g, np.float64),
-                         np.asarray(orthogonal.newton_schulz(m), np.float64), 1e-5)
+                         np.asarray(ns.newton_schulz(m), np.float64), 1e-5)
 
 
 def test_chunked_shared_iteration_holds_one_iteration_and_bounded_chunks(monkeypatch):
   # More matrices of one shape than a chunk holds: equal chunks under `lax.map`, so the
   # jaxpr holds the iteration once (3 dots x ns_steps) and the updates still match
   # leaf-by-leaf transforms (within 1e-5 of the RMS: the chunks' body is compiled).
-  from skewadam_jax.estimators import orthogonal
-  monkeypatch.setattr(orthogonal, 'MIN_SHARED_ELEMENTS', 1)
+  from skewadam_jax.estimators import newton_schulz as ns
+  monkeypatch.setattr(ns, 'MIN_SHARED_ELEMENTS', 1)
   shapes = {'bank': (3, 12, 20), 'a': (12, 20), 'b': (12, 20), 'c': (2, 12, 20)}
   axes = {'bank': (0,), 'a': (), 'b': (), 'c': (0,)}
   params = {k: jnp.zeros(s) for k, s in shapes.items()}
@@ -491,9 +491,9 @@ NS_BF16_SINGULAR_VALUES = 0.15
 def _ns_float32_and_bfloat16(x):
   """Both iterations of `x`, compiled once per shape (op by op would compile every
   primitive for every shape)."""
-  from skewadam_jax.estimators import orthogonal
-  return (orthogonal.newton_schulz(x, ns_dtype='float32'),
-          orthogonal.newton_schulz(x, ns_dtype='bfloat16'))
+  from skewadam_jax.estimators import newton_schulz as ns
+  return (ns.newton_schulz(x, ns_dtype='float32'),
+          ns.newton_schulz(x, ns_dtype='bfloat16'))
 
 
 def _ns_bf16_distances(x):
@@ -535,33 +535,33 @@ def test_bfloat16_newton_schulz_is_within_its_bound_of_float32(shape, spectrum, 
 
 
 def test_bfloat16_iteration_multiplies_bfloat16_and_accumulates_in_float32():
-  from skewadam_jax.estimators import orthogonal
+  from skewadam_jax.estimators import newton_schulz as ns
   x = jnp.ones((3, 6, 10), jnp.float32)
-  jaxpr = jax.make_jaxpr(lambda x: orthogonal.newton_schulz(x, ns_dtype='bfloat16'))(x)
+  jaxpr = jax.make_jaxpr(lambda x: ns.newton_schulz(x, ns_dtype='bfloat16'))(x)
   dots = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
   assert len(dots) == 3 * 5
   for e in dots:
     assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars)
     assert e.params['preferred_element_type'] == jnp.float32
   # The float32 iteration holds no bfloat16 at all.
-  jaxpr = jax.make_jaxpr(lambda x: orthogonal.newton_schulz(x, ns_dtype='float32'))(x)
+  jaxpr = jax.make_jaxpr(lambda x: ns.newton_schulz(x, ns_dtype='float32'))(x)
   assert all(v.aval.dtype == jnp.float32 for e in jaxpr.eqns for v in e.outvars)
 
 
 def test_auto_ns_dtype_is_float32_on_cpu_and_bfloat16_on_gpu_and_tpu(monkeypatch):
   # Decided when the update is traced: from a concrete array's devices, else (under
   # `jit`) from the default backend.
-  from skewadam_jax.estimators import orthogonal
+  from skewadam_jax.estimators import newton_schulz as ns
   x = jnp.ones((4, 6))
-  assert orthogonal.iteration_dtype('auto', x) == jnp.float32
-  assert orthogonal.iteration_dtype('bfloat16', x) == jnp.bfloat16
+  assert ns.iteration_dtype('auto', x) == jnp.float32
+  assert ns.iteration_dtype('bfloat16', x) == jnp.bfloat16
   for backend, want in (('gpu', jnp.bfloat16), ('tpu', jnp.bfloat16), ('cpu', jnp.float32)):
     monkeypatch.setattr(jax, 'default_backend', lambda b=backend: b)
-    traced = jax.jit(lambda y: orthogonal.newton_schulz(y, ns_dtype='auto'))
+    traced = jax.jit(lambda y: ns.newton_schulz(y, ns_dtype='auto'))
     assert traced.eval_shape(x).dtype == want, backend
-    assert orthogonal.iteration_dtype('auto') == want
+    assert ns.iteration_dtype('auto') == want
     # A concrete array's devices win over the default backend: this one is on the CPU.
-    assert orthogonal.iteration_dtype('auto', x) == jnp.float32
+    assert ns.iteration_dtype('auto', x) == jnp.float32
 
 
 def test_auto_ns_dtype_gives_the_float32_update_bitwise_on_cpu():

@@ -256,8 +256,8 @@ def test_batch_axes_function_sees_the_given_labels():
     sj.moe_batch_axes(params)  # alone, the default labeler is unsure of the bank
   seen = []
 
-  def batch_axes(q):
-    seen.append(sj.moe_batch_axes(q, rules=[('blk/sel', ())]))
+  def batch_axes(q, param_labels):  # skewadam passes its labels to this argument
+    seen.append(sj.moe_batch_axes(q, param_labels, rules=[('blk/sel', ())]))
     return seen[-1]
 
   tx = sj.skewadam(1e-3, param_labels=my_labels, batch_axes=batch_axes)

@@ -50,6 +50,7 @@ AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching l
 # the matrix) and embeddings (a position table [1, T, d], a patch kernel [p, p, c, d]).
 _WHOLE = ('attn', 'attention', 'embed')
 _QKVO = ('wq', 'wk', 'wv', 'wo')  # attention projections stored flat: [d, heads, head_dim]
+_QKVO_LAST = tuple((name,) for name in _QKVO)  # as a path's last segment (a root leaf has none)
 # Built-in rules: gemma stacks the k and v projections of `kv_einsum` on axis 0.
 DEFAULT_AXES_RULES: tuple[AxesRule, ...] = (('*kv_einsum/w', (0,)),)
 _DEFAULT_RULES = _paths.compile_rules(DEFAULT_AXES_RULES)
@@ -92,7 +93,7 @@ def _structure(leaf: _paths.Leaf, banked: bool) -> set[int]:
   ndim = len(leaf.shape)
   if banked:
     axes.add(_expert_axis(leaf))
-  if not any(a in seg for seg in leaf.segs for a in _WHOLE) and leaf.segs[-1] not in _QKVO:
+  if not any(a in seg for seg in leaf.segs for a in _WHOLE) and leaf.segs[-1:] not in _QKVO_LAST:
     # (an axis of length 1 stacks nothing: a class token [1, 1, d] is one vector)
     rest = [a for a in range(ndim) if a not in axes and leaf.shape[a] > 1]
     axes.update(rest[:-2])

@@ -156,7 +156,7 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
     >>> import jax.numpy as jnp, skewadam_jax as sj
     >>> sj.hidden_param_labels({'embed': jnp.zeros((64, 8)), 'mlp': jnp.zeros((8, 32)),
     ...                         'norm': jnp.zeros((8,)), 'head': jnp.zeros((8, 64))})
-    {'embed': 'backbone', 'mlp': 'hidden', 'norm': 'backbone', 'head': 'backbone'}
+    {'embed': 'backbone', 'head': 'backbone', 'mlp': 'hidden', 'norm': 'backbone'}
   """
   labels = _labels.resolve_labels(params, param_labels)
   leaves, treedef = _axes.decide(params, labels)  # batch axes, scanned axes

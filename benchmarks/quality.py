@@ -727,7 +727,9 @@ def _router_over_training(rs: list[dict[str, Any]], steps: int
       at = e['step']
       dead.append(float(np.sum(e['dead_experts'])))
       norm.append(float(np.mean(e['router_norm'])))
-    out.append((at, float(np.mean(dead)), float(np.mean(norm))))
+    # A short run evaluates less often than DEAD_AT asks: one column per evaluation.
+    if not out or out[-1][0] != at:
+      out.append((at, float(np.mean(dead)), float(np.mean(norm))))
   return out
 
 

@@ -314,3 +314,14 @@ def test_collectives_script_gathers_each_sharded_matrix_once(tmp_path):
     assert r['goal_one_gather'], r['all-gather']
     assert r['all-gather']['bytes'] == r['sharded_hidden_bytes']  # each gathered whole once
     assert r['loops_without_trip_count'] == []
+
+
+def test_dead_experts_table_has_one_column_per_evaluation():
+  # A 300-step run evaluated at steps 100 and 300: the fractions of DEAD_AT that land on
+  # the same evaluation give one column, not a repeated one.
+  import quality
+  runs = [{'evals': [{'step': s, 'dead_experts': [d], 'router_norm': [n]}
+                     for s, d, n in ((100, 2, 1.0), (300, 1, 2.0))]}]
+  points = quality._router_over_training(runs, 300)
+  assert [at for at, _, _ in points] == [100, 300]
+  assert points == [(100, 2.0, 1.0), (300, 1.0, 2.0)]

@@ -152,7 +152,7 @@ def train_pmap(loss: LossFn, tx: optax.GradientTransformation, params: Any,
                log: Callable[[int, float], None] | None = None) -> Any:
   """Data-parallel training over `batches`; returns device 0's params as host arrays."""
   params = replicate(params, n_devices)
-  opt_state = jax.pmap(tx.init, axis_name=AXIS)(params)  # same sharding as the step's
+  opt_state = jax.pmap(tx.init, axis_name=AXIS)(params)  # one replica per device
   step = make_pmap_step(loss, tx)
   for i, batch in enumerate(batches):
     keys = jax.random.split(jax.random.fold_in(key, i), n_devices)

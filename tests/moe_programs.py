@@ -632,7 +632,7 @@ def _moe(spec: Spec, h: jax.Array, p: dict[str, Any], key: Any) -> jax.Array:
   if spec.dispatch == 'group_choice':
     return _group_choice(spec, h, p, use_shard_map)
   if spec.dispatch == 'gshard':
-    combine = _gshard_combine(h @ p['router']['kernel'], C)  # [T, E, C]
+    combine = gshard_combine(h @ p['router']['kernel'], C)  # [T, E, C]
     dispatch = combine.astype(bool).astype(h.dtype)
     out = _slots(spec, jnp.einsum('tec,td->ecd', dispatch, h), bank, use_shard_map)
     return jnp.einsum('tec,ecd->td', combine.astype(h.dtype), out)
@@ -641,7 +641,7 @@ def _moe(spec: Spec, h: jax.Array, p: dict[str, Any], key: Any) -> jax.Array:
   return _dispatch(spec, h, bank, ids, w, use_shard_map) + aux.astype(h.dtype)
 
 
-def _gshard_combine(logits: jax.Array, C: int) -> jax.Array:
+def gshard_combine(logits: jax.Array, C: int) -> jax.Array:
   """GShard's top-2 gate: argmax, the first choice masked out, argmax again; positions in
   each expert's buffer by cumsum, tokens past capacity `C` dropped; the combine weights
   [T, E, C] (renormalised over the two)."""

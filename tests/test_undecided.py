@@ -145,22 +145,7 @@ def _gshard_layer(h, p):
   """GShard's top-2 gate: argmax, the first masked out, argmax again, capacity by
   cumsum; dispatch and combine tensors [T, E, C]."""
   logits = jnp.einsum('td,de->te', h, p['router'])
-  gates = jax.nn.softmax(logits, axis=-1)
-  mask_1 = jax.nn.one_hot(jnp.argmax(gates, axis=-1), E, dtype=jnp.int32)
-  gate_1 = jnp.sum(gates * mask_1, axis=-1)
-  mask_2 = jax.nn.one_hot(jnp.argmax(jnp.where(mask_1 > 0, -jnp.inf, logits), axis=-1), E,
-                          dtype=jnp.int32)
-  gate_2 = jnp.sum(gates * mask_2, axis=-1)
-  pos_1 = jnp.cumsum(mask_1, axis=0) - mask_1
-  mask_1 = mask_1 * (pos_1 < C)
-  pos_2 = jnp.cumsum(mask_2, axis=0) - mask_2 + jnp.sum(mask_1, axis=0, keepdims=True)
-  mask_2 = mask_2 * (pos_2 < C)
-  loc_1, loc_2 = jnp.sum(pos_1 * mask_1, axis=-1), jnp.sum(pos_2 * mask_2, axis=-1)
-  denom = gate_1 + gate_2 + 1e-9
-  combine = ((gate_1 / denom)[:, None, None] * mask_1[:, :, None]
-             * jax.nn.one_hot(loc_1, C)[:, None, :]
-             + (gate_2 / denom)[:, None, None] * mask_2[:, :, None]
-             * jax.nn.one_hot(loc_2, C)[:, None, :])
+  combine = mp.gshard_combine(logits, C)
   dispatch = combine.astype(bool).astype(h.dtype)
   xin = jnp.einsum('tec,td->ecd', dispatch, h)
   hid = jax.nn.gelu(jnp.einsum('ecd,edf->ecf', xin, p['wi']))

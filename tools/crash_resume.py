@@ -323,7 +323,7 @@ def _free_port() -> int:
 
 def run_pair(script: Path, ckpt: Path, out: Path, env: dict[str, str], kill: Optional[int],
              rng: random.Random, timeout_s: float = LAUNCH_TIMEOUT_S) -> dict[str, Any]:
-  """Both `jax.distributed` processes of tests/multihost_runs.py `ckpt`; with `kill`, one
+  """Both `jax.distributed` processes of tests/support/multihost_runs.py `ckpt`; with `kill`, one
   of them (drawn) is killed right after it prints that the save of step `kill` started,
   and the other once it has stopped or after 30 s (a collective with a dead peer hangs)."""
   port = str(_free_port())

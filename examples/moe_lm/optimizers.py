@@ -207,7 +207,7 @@ DEFAULT_LR.update({n: ADAM_LR for n in OPTIMIZERS if n not in DEFAULT_LR})
 # The best peak lr of the main job's two optimizers in `benchmarks/quality.py`'s
 # 2000-step sweep (the same lr grid, refinement and seeds for every optimizer; its
 # report, benchmarks/results/quality_sweep/report_steps2000.json, is checked against
-# this in tests/test_train.py). `default_lr` falls back to `DEFAULT_LR` elsewhere.
+# this in tests/examples/test_train.py). `default_lr` falls back to `DEFAULT_LR` elsewhere.
 SWEPT_LR = {RECOMMENDED: 1e-2, BASELINE: 1.7e-3}
 
 

@@ -176,7 +176,7 @@ def sqrt(x: jax.Array) -> jax.Array:
   compile, where `power` costs what a plain multiply-add does (`benchmarks/compile_time.py
   --kernel-cost`; the figures: see benchmarks/RESULTS.md). An optimizer's statistics
   vectors, per-matrix norms and small leaves (norm scales, routers) are many distinct
-  kernels of little work. `tests/test_xla.py` holds the powers within 2 ulp of float64.
+  kernels of little work. `tests/core/test_xla.py` holds the powers within 2 ulp of float64.
   At run time `pow` is slower per element than `rsqrt` on the CPU, so large operands
   keep `sqrt`.
   """

@@ -74,7 +74,7 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   to bfloat16 once per iteration. Each step thus rounds its operands to 8 significant
   bits (relative error <= 2^-8 each); the factor stays within 0.1 of the float32 one
   in relative Frobenius norm and its singular values within 0.15, inside the spread the
-  float32 iteration leaves around 1; tests/test_orthogonal.py states the bounds and
+  float32 iteration leaves around 1; tests/estimators/test_orthogonal.py states the bounds and
   why. Rounding the products to bfloat16 as well (the iteration without float32
   accumulation) is further off (measured:
   benchmarks/RESULTS.md, "Numbers behind the library's choices").

@@ -51,8 +51,8 @@ def tier_scalars(tiers: Sequence[Tier], b1: Any, b2: Any, t: jax.Array
 
   with per-entry constants (or traced decays, under `inject_hyperparams`): one kernel
   for all of them, whose consumers only slice and multiply (the step of the example
-  model compiled 5 kernels fewer with `MUON_CODED_TIERS`; tests/test_step_scalars.py checks
-  that one fusion holds every power).
+  model compiled 5 kernels fewer with `MUON_CODED_TIERS`;
+  tests/transforms/test_step_scalars.py checks that one fusion holds every power).
   """
   one, zero = 1.0, 0.0
   # Per entry: a, b, uses_b, root, c, d, uses_c.

@@ -5,7 +5,7 @@ it finds on the analysis (`analysis.Rule`). Adding a primitive is one function i
 module of its family and one line here. A primitive with no entry goes to `NO_RULE`:
 its leaves are undecided, with a warning naming it and the user's line. Every primitive
 of the jax version `REVIEWED_FOR_JAX` has an entry or is listed in `WITHOUT_RULE`
-(tests/test_rule_table.py).
+(tests/structure/traced/test_rule_table.py).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ NO_RULE = calls.no_rule
 
 # The jax version whose primitives (those `jax._src.lax` defines, with the AD, random and
 # control-flow ones) were last read against this table: each has a rule above or is in
-# WITHOUT_RULE (tests/test_rule_table.py diffs them).
+# WITHOUT_RULE (tests/structure/traced/test_rule_table.py diffs them).
 REVIEWED_FOR_JAX = '0.10.2'
 
 # Primitives left to NO_RULE by design: what their outputs hold cannot be read as a

@@ -325,3 +325,26 @@ def test_dead_experts_table_has_one_column_per_evaluation():
   points = quality._router_over_training(runs, 300)
   assert [at for at, _, _ in points] == [100, 300]
   assert points == [(100, 2.0, 1.0), (300, 1.0, 2.0)]
+
+
+def test_same_program_tells_the_same_program_from_another():
+  # benchmarks/same_program.py: one program written in two places (different source
+  # lines, so different metadata and stack frames) is the same; a changed constant is not.
+  import same_program  # noqa: PLC0415
+
+  def one(x):
+    return jnp.tanh(x) * 2.0 + 1.0
+
+  def two(x):
+    y = jnp.tanh(x)
+    return y * 2.0 + 1.0
+
+  def other(x):
+    return jnp.tanh(x) * 3.0 + 1.0
+
+  x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+  texts = [jax.jit(f).lower(x).compile().as_text() for f in (one, two, other)]
+  norm = [same_program.normalised_hlo(t) for t in texts]
+  assert norm[0] == norm[1] and norm[0] != norm[2]
+  assert 'metadata=' not in norm[0] and 'FileNames' not in norm[0]
+  assert same_program.kernel_count(texts[0]) == 1  # one loop fusion

@@ -38,7 +38,7 @@ def follows_bodies(rule: Rule) -> Rule:
 def keeps_positions(rule: Rule) -> Rule:
   """Marks a rule whose outputs keep each position of an operand axis they carry where
   it was (elementwise ops, broadcasts, transposes, contractions' batch and free
-  dimensions): joined units (`('u', ...)` tokens) stay known through it. Any other rule
+  dimensions): joined units (`info.Units` tokens) stay known through it. Any other rule
   may move them (a slice, a sort, a cumulative sum): `Analysis.eqn` marks them lost."""
   rule.keeps_positions = True  # type: ignore[attr-defined]
   return rule
@@ -69,7 +69,7 @@ class Analysis:
     self.rules, self.no_rule = rules, no_rule
     self.decisions: dict[int, Decision] = {}  # id(eqn) -> decision
     self.order: list[int] = []  # decision keys in discovery order
-    self.router_tokens: dict[tuple[int, int], set[int]] = {}  # set for the second pass
+    self.router_tokens: dict[_info.Param, set[int]] = {}  # set for the second pass
     self.banks: dict[tuple[int, int], dict[str, set[int]]] = {}  # (leaf, axis) -> why -> decs
     self.scans: dict[tuple[int, int], int] = {}  # (leaf, axis) -> scan length
     # (leaf, axis) -> length: axes a decision is made per slice of (a `vmap` over stacked
@@ -91,7 +91,7 @@ class Analysis:
     # leaf -> dec -> positions: separate leaves joined along an axis that meets the
     # experts of a decision (`stack([unit(x) for unit in modules])` against a one-hot)
     self.joined: _masks.Masked = {}
-    self.joins = False  # some values joined units along an axis (`('u', ...)` tokens)
+    self.joins = False  # some values joined units along an axis (`info.Units` tokens)
     self.unclear: dict[int, str] = {}  # leaf -> meets tokens of an unclear decision
     # (leaf, axis) -> decisions over as many experts as the axis is long whose routed
     # values it meets (a contraction or elementwise alignment), bank or not
@@ -150,7 +150,7 @@ class Analysis:
     """
     return {leaf: decs for leaf, decs in self.masked.items()
             if leaf in self.out_deps and leaf not in self.out_open
-            and not any(t[0] == leaf for t in self.router_tokens)}
+            and not any(t.leaf == leaf for t in self.router_tokens)}
 
   # -- banks and other findings
 
@@ -160,18 +160,18 @@ class Analysis:
 
   def experts_of(self, tokens: frozenset, dispatched: bool) -> set[int]:
     """Decisions whose experts this axis indexes (with `dispatched`: or whose tokens)."""
-    decs = _info.flags(tokens, 'e')
+    decs = _info.decisions_of(tokens, _info.Experts)
     if dispatched:
-      decs |= _info.flags(tokens, 'd')
+      decs |= _info.decisions_of(tokens, _info.Dispatched)
     for t in tokens:
       decs |= self.router_tokens.get(t, set())
     return decs
 
   def meet(self, mine: frozenset, other: frozenset, dispatched: bool, why: str) -> None:
     """Parameter axes in `mine` of length E meet an axis indexing E experts: banks."""
-    if any(t[0] in ('u', 'v') for t in mine):
+    if _info.of_kind(mine, _info.Units, _info.MovedUnits):
       _units.meet(self, mine, other, dispatched)
-    if not any(isinstance(t[0], int) for t in mine):
+    if not _info.params_of(mine):
       return
     decs = self.experts_of(other, dispatched)
     # An axis derived from a bank's expert axis indexes its experts (the output of a
@@ -208,15 +208,15 @@ class Analysis:
 
   def taken_apart(self, tokens: frozenset) -> None:
     """A width-1 piece of these axes is dropped: record which one."""
-    for t in tokens:
-      if t[0] == '1' and self.shapes[t[1][0]][t[1][1]] > 1:
-        self.pieces.setdefault(t[1][:2], set()).add(t[1][2])
+    for t in _info.of_kind(tokens, _info.Piece):
+      if self.shapes[t.leaf][t.axis] > 1:
+        self.pieces.setdefault(t.param, set()).add(t.start)
 
   def map_axes(self, tokens: frozenset, n: int) -> None:
     """The `n`-long parameter axes of `tokens` run along the batch axis of a decision
     made per slice (one routing decision per layer of a `vmap`): batch axes."""
     for t in _info.params_of(tokens):
-      if self.shapes[t[0]][t[1]] == n:
+      if self.shapes[t.leaf][t.axis] == n:
         self.mapped[t] = n
 
   def is_mapped(self, tokens: frozenset) -> bool:

@@ -135,7 +135,7 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
         'loss_fn(nnx.merge(graphdef, s, rest), b), state, batch).') from e
   jaxpr = closed.jaxpr
   one = [frozenset({k}) for k in range(len(pidx))]
-  infos = [_info.Info(tuple(frozenset({(k, a)}) for a in range(len(shapes[k]))),
+  infos = [_info.Info(tuple(frozenset({_info.Param(k, a)}) for a in range(len(shapes[k]))),
                       deps=one[k], free=one[k], open=one[k]) for k in range(len(pidx))]
   infos += [_info.Info(tuple(frozenset({_info.INPUT_AXIS}) for _ in _info.shape_of(v)),
                        data=True)

@@ -62,7 +62,7 @@ def masks(eqn: Any, ins: Sequence[_info.Info], masked: Masked
     mask = ins[0].mask | frozenset(
         (dec, start) for tokens, n, m, start in zip(ins[0].axes, src, dst,
                                                     eqn.params['start_indices'])
-        if n > 1 and m == 1 for dec in _info.flags(tokens, 'e'))
+        if n > 1 and m == 1 for dec in _info.decisions_of(tokens, _info.Experts))
     unmask = ins[0].unmask
   elif prim in MASK_KEEPING:
     mask, unmask = ins[0].mask, ins[0].unmask

@@ -75,7 +75,7 @@ def _matrix_axes(mine: Info, dims: Any, batch: Any) -> tuple[frozenset, ...]:
     return mine.axes
   owners = {leaf for t in free for leaf, _ in _info.params_of(t)}
   return tuple(t if i not in dims else frozenset(
-      x for x in t if not isinstance(x[0], int) or x[0] in owners)
+      x for x in t if not isinstance(x, _info.Param) or x.leaf in owners)
       for i, t in enumerate(mine.axes))
 
 
@@ -89,7 +89,7 @@ def ragged_dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> lis
     n = _info.shape_of(eqn.invars[1])[g]
     dec = an.latest(sizes.routed, n)
     for t in _info.params_of(rhs.axes[g]):
-      if an.shapes[t[0]][t[1]] == n:
+      if an.shapes[t.leaf][t.axis] == n:
         an.bank(t, dec, 'group axis of a ragged_dot')
   axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
   axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]

@@ -86,7 +86,7 @@ def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
       if a.eid is not None and b.iota is not None:
         e = an.decision(a.eid).num_experts
         if shape[b.iota] == e:  # a one-hot of the expert ids along the iota's axis
-          axes[b.iota] = axes[b.iota] | {('e', a.eid)}
+          axes[b.iota] = axes[b.iota] | {_info.Experts(a.eid)}
   return [Info(tuple(axes), data, routed, eid, iota, columns=columns) for _ in eqn.outvars]
 
 

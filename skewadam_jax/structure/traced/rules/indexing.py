@@ -4,7 +4,7 @@ Indices that are a decision's expert ids make the axis they index expert-indexed
 parameter axis of length E gathered or dynamically sliced by them is a bank's expert
 axis, and the axis of a scatter's output they write along (`zeros([T, E]).at[arange(T),
 ids].set(w)`, combine weights placed by the ids) indexes the experts. Indices computed
-from a decision dispatch the tokens: the axes they produce carry `('d', dec)`.
+from a decision dispatch the tokens: the axes they produce carry `info.Dispatched(dec)`.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
     if eid is None and idx.eid is not None:
       eid = idx.eid  # several axes indexed by (broadcast) ids: each by the ids
     if eid is not None:
-      _units.meet(an, x.axes[axis], frozenset({('e', eid)}), False)  # joined units
+      _units.meet(an, x.axes[axis], frozenset({_info.Experts(eid)}), False)  # joined units
       e = an.decision(eid).num_experts
       for t in _info.params_of(x.axes[axis]):
-        if an.shapes[t[0]][t[1]] == e:
+        if an.shapes[t.leaf][t.axis] == e:
           an.bank(t, eid, 'gathered by expert id')
   if idx.eid is None and not x.data:  # a table's rows read by token ids or positions
     for axis in dn.start_index_map:
@@ -62,7 +62,7 @@ def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   for p, d in zip(dn.offset_dims, kept):
     if sizes[d] == out_shape[p]:
       axes[p] = x.axes[d]
-  flags = frozenset(('d', d) for d in idx.routed)
+  flags = frozenset(_info.Dispatched(d) for d in idx.routed)
   pairs = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims))
   for p, d in zip(batch_pos, idx_dims):
     tokens = idx.axes[d] | flags
@@ -90,9 +90,9 @@ def scatter(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   shape = _info.shape_of(eqn.outvars[0])
   dims = dn.scatter_dims_to_operand_dims
   for d, eid in zip(dims, _index_ids(idx, len(dims))):
-    axes[d] = axes[d] | frozenset(('d', r) for r in idx.routed)
+    axes[d] = axes[d] | frozenset(_info.Dispatched(r) for r in idx.routed)
     if eid is not None and shape[d] == an.decision(eid).num_experts:
-      axes[d] = axes[d] | {('e', eid)}
+      axes[d] = axes[d] | {_info.Experts(eid)}
   data, routed = _info.common(ins)
   return [Info(tuple(axes), data, routed)]
 
@@ -104,7 +104,7 @@ def dynamic_slice(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Inf
   for axis, s in enumerate(starts):
     if s.eid is not None:
       for t in _info.params_of(x.axes[axis]):
-        if an.shapes[t[0]][t[1]] == an.decision(s.eid).num_experts:
+        if an.shapes[t.leaf][t.axis] == an.decision(s.eid).num_experts:
           an.bank(t, s.eid, 'dynamically sliced by expert id')
     elif not s.data and not s.routed:  # a constant or a loop counter, not data
       var = eqn.invars[1 + axis]

@@ -44,7 +44,7 @@ def decide_along(an: _analysis.Analysis, eqn: Any, prim: str, operand: Info, axi
   def clean(a: int) -> bool:
     return bool(_info.params_of(operand.axes[a])) and _info.INPUT_AXIS not in operand.axes[a]
 
-  if _info.flags(operand.axes[axis], 's') and not clean(axis):
+  if _info.of_kind(operand.axes[axis], _info.Split) and not clean(axis):
     return None, False  # within the groups of a split expert axis: no decision of its own
   # Axes along which decisions are made per slice (found at an earlier decision, or
   # aligned with one) are no candidate expert axes.
@@ -142,7 +142,7 @@ def sort(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
             for x in ins]
   keyed = frozenset().union(*(k.routed for k in keys))
   if keyed:  # sorting by routed keys (expert ids) dispatches along `dim`
-    axes[dim] = frozenset(('d', d) for d in keyed)
+    axes[dim] = frozenset(_info.Dispatched(d) for d in keyed)
   return [Info(tuple(axes), data, routed, x.eid if i < nkeys else None)
           for i, x in enumerate(ins)]
 

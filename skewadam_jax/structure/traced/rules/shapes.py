@@ -10,7 +10,7 @@ matrices) and remembered on the values computed from it, so that `stack` or a
 
 Values computed from separate leaves, stacked (one module per expert, each applied to
 the tokens: `stack([unit(x) for unit in modules])`), join those units along the new axis:
-position `p` remembers the leaves only it is computed from (a `('u', units)` token). The
+position `p` remembers the leaves only it is computed from (an `info.Units` token). The
 rules that keep positions where they are say so (`analysis.keeps_positions`); through
 any other (and through a reshape that merges or splits the axis, or a concatenation
 along it) the units are marked lost.
@@ -50,16 +50,16 @@ def _split_tokens(tokens: frozenset, sizes: tuple[int, ...]) -> list[frozenset]:
   params = frozenset(_info.params_of(tokens))
   if not params:
     return [EMPTY] * len(sizes)
-  return [frozenset({('s', (params, sizes, k))}) for k in range(len(sizes))]
+  return [frozenset({_info.Split(params, sizes, k)}) for k in range(len(sizes))]
 
 
 def _merged_tokens(parts: list[frozenset], sizes: tuple[int, ...]) -> frozenset:
   """The parameter axes whose parts, split into `sizes`, are merged again in order."""
   found = EMPTY
-  for params, got, k in _info.flags(parts[0], 's'):
-    if k == 0 and got == sizes and all(('s', (params, sizes, i)) in t
-                                       for i, t in enumerate(parts)):
-      found = found | params
+  for s in _info.of_kind(parts[0], _info.Split):
+    if s.position == 0 and s.sizes == sizes and all(
+        _info.Split(s.params, sizes, i) in t for i, t in enumerate(parts)):
+      found = found | s.params
   return found
 
 
@@ -78,12 +78,12 @@ def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
       # A merged or split axis is no parameter axis, but stays dispatched: the major
       # part of a split dispatched axis ([E * C] -> [E, C]) indexes the experts.
       flags = _info.lose_units(frozenset(t for i in gi for t in x.axes[i]
-                                         if not isinstance(t[0], int) and t[0] != 's'))
+                                         if not isinstance(t, (_info.Param, _info.Split))))
       if len(gj) == 1:
         # The merged axes are remembered, to be given back if split apart again; parts
         # of one split axis merged back in order are that axis again.
         parts = tuple((src[i], frozenset(_info.params_of(x.axes[i]))) for i in gi)
-        merged = {('m', parts)} if any(p for _, p in parts) else set()
+        merged = {_info.Merged(parts)} if any(p for _, p in parts) else set()
         axes[gj[0]] = flags | merged | _merged_tokens([x.axes[i] for i in gi],
                                                       tuple(src[i] for i in gi))
         continue
@@ -95,9 +95,9 @@ def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
         sizes = tuple(dst[j] for j in gj)
         for j, part in zip(gj, _split_tokens(x.axes[gi[0]], sizes)):
           axes[j] = axes[j] | part
-        for t in x.axes[gi[0]]:
-          if t[0] == 'm' and tuple(n for n, _ in t[1]) == sizes:
-            for j, (_, tokens) in zip(gj, t[1]):
+        for t in _info.of_kind(x.axes[gi[0]], _info.Merged):
+          if tuple(n for n, _ in t.parts) == sizes:
+            for j, (_, tokens) in zip(gj, t.parts):
               axes[j] = axes[j] | tokens
     elif gi:  # a size-1 axis dropped
       an.taken_apart(x.axes[gi[0]])
@@ -107,7 +107,8 @@ def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
 
 def _piece_of(tokens: frozenset) -> frozenset:
   """The (leaf, axis, index) pieces a dropped width-1 axis held (at known indices)."""
-  return frozenset(t[1] for t in tokens if t[0] == '1' and t[1][2] is not None)
+  return frozenset((t.leaf, t.axis, t.start) for t in _info.of_kind(tokens, _info.Piece)
+                   if t.start is not None)
 
 
 def width_one(tokens: frozenset, before: int, after: int, start: Optional[int]) -> frozenset:
@@ -115,7 +116,7 @@ def width_one(tokens: frozenset, before: int, after: int, start: Optional[int]) 
   (None: at a loop counter)."""
   if after != 1 or before <= 1:
     return tokens
-  return tokens | {('1', (*t, start)) for t in _info.params_of(tokens)}
+  return tokens | {_info.Piece(t.leaf, t.axis, start) for t in _info.params_of(tokens)}
 
 
 @_analysis.keeps_positions
@@ -178,17 +179,17 @@ def unstack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   return outs
 
 
-def _regained(an: _analysis.Analysis, ins: list[Info]) -> set[tuple[int, int]]:
+def _regained(an: _analysis.Analysis, ins: list[Info]) -> set[_info.Param]:
   """Parameter axes of length n whose piece `i` the `i`-th of n operands is computed from
   (and no other piece of that axis)."""
   found = None
   for i, x in enumerate(ins):
-    here: dict[tuple[int, int], set[int]] = {}
+    here: dict[_info.Param, set[int]] = {}
     for leaf, axis, index in _info.pieces(x):
-      here.setdefault((leaf, axis), set()).add(index)
+      here.setdefault(_info.Param(leaf, axis), set()).add(index)
     mine = {k for k, v in here.items() if v == {i}}
     found = mine if found is None else found & mine
-  return {k for k in found or () if an.shapes[k[0]][k[1]] == len(ins)}
+  return {k for k in found or () if an.shapes[k.leaf][k.axis] == len(ins)}
 
 
 def _stacked(an: _analysis.Analysis, ins: list[Info], axes: list[frozenset], axis: int
@@ -198,7 +199,7 @@ def _stacked(an: _analysis.Analysis, ins: list[Info], axes: list[frozenset], axi
   axes[axis] = _info.lose_units(axes[axis]) | frozenset(regained)
   units = _units.joined(ins)
   if units:
-    axes[axis] = axes[axis] | {('u', units)}
+    axes[axis] = axes[axis] | {_info.Units(units)}
     an.joins = True
   piece = frozenset(t for x in ins for t in _info.pieces(x) if t[:2] not in regained)
   data, routed = _info.common(ins)
@@ -234,7 +235,7 @@ def concatenate(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   for ax in range(len(shape)):
     tokens = frozenset().union(*(x.axes[ax] for x in ins))
     if ax == dim:
-      tokens = _info.lose_units(frozenset(t for t in tokens if not isinstance(t[0], int)))
+      tokens = _info.lose_units(_info.without_params(tokens))
     axes.append(tokens)
   widths = [_info.shape_of(v)[dim] for v in eqn.invars]
   if all(w == 1 for w in widths):
@@ -255,6 +256,6 @@ def tile(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """`jnp.tile`: a repeated axis is no parameter's own axis, as if concatenated."""
   del an
   x = ins[0]
-  axes = [t if r == 1 else frozenset(u for u in t if not isinstance(u[0], int))
+  axes = [t if r == 1 else _info.without_params(t)
           for t, r in zip(x.axes, eqn.params['reps'])]
   return [x._replace(axes=tuple(axes), iota=None, eid=None, columns=())]

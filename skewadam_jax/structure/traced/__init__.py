@@ -87,8 +87,8 @@ with a `'hidden'` tier (`sj.MUON_TIERS`) gives it to the hidden matrices:
 param_labels=structure)`.
 
 The package: `info` (what the analysis knows about one variable), `analysis` (the
-interpreter over a jaxpr and what it records), `rules` (the rule table, one rule per
-primitive, by family), `masks` (expert-id masks), `units` (units joined along an
+interpreter over a jaxpr and what it records), `primitives` (jax's primitive objects,
+the table's keys), `rules` (the rule table, one rule per primitive, by family), `masks` (expert-id masks), `units` (units joined along an
 axis), `decide` (findings to tiers) and `api` (`trace_structure`).
 """
 

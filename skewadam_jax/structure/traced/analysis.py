@@ -1,6 +1,6 @@
 """The interpreter: a forward dataflow over a jaxpr, one rule per primitive.
 
-`Analysis.run` walks a jaxpr's equations in order; each equation's primitive names its
+`Analysis.run` walks a jaxpr's equations in order; each equation's primitive keys its
 rule in the table the analysis is given (`rules.RULES`, like jax's
 `batching.primitive_batchers`): the rule maps the operands' facts (`info.Info`) to the
 outputs' and records what it finds on the analysis (routing decisions, expert banks,
@@ -60,11 +60,11 @@ class Analysis:
 
   Args:
     shapes: the parameter leaves' shapes.
-    rules: primitive name -> rule.
+    rules: primitive -> rule.
     no_rule: the rule of a primitive not in `rules`.
   """
 
-  def __init__(self, shapes: list[tuple[int, ...]], rules: dict[str, Rule], no_rule: Rule):
+  def __init__(self, shapes: list[tuple[int, ...]], rules: dict[Any, Rule], no_rule: Rule):
     self.shapes = shapes
     self.rules, self.no_rule = rules, no_rule
     self.decisions: dict[int, Decision] = {}  # id(eqn) -> decision
@@ -268,7 +268,7 @@ class Analysis:
 
   def eqn(self, eqn: Any, ins: list[Info]) -> list[Info]:
     """The outputs' facts of one equation, by its primitive's rule."""
-    rule = self.rules.get(eqn.primitive.name, self.no_rule)
+    rule = self.rules.get(eqn.primitive, self.no_rule)
     self.callers.append(eqn)
     try:
       outs = rule(self, eqn, ins)

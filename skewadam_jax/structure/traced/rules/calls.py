@@ -25,16 +25,6 @@ from skewadam_jax.structure.traced import info as _info
 
 Info = _info.Info
 
-# Calls whose body maps their operands one to one (jax's names across versions).
-ENTERED = ('jit', 'pjit', 'closed_call', 'core_call', 'remat', 'remat2', 'checkpoint',
-           'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'shard_map',
-           'custom_lin', 'named_call')
-# Calls whose body the analysis cannot see.
-OPAQUE = ('pallas_call', 'pure_callback', 'io_callback', 'custom_call', 'ffi_call',
-          'debug_callback')
-# Hijax primitives: one primitive whose `_prim` parameter (a `HiPrim`) says what it does.
-HIGH = ('call_hi_primitive',)
-
 
 def sub_jaxpr(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
   """(jaxpr, consts) of a call-like equation whose body maps its operands one to one."""

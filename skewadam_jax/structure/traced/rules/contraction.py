@@ -17,11 +17,11 @@ from typing import Any, Optional
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
+from skewadam_jax.structure.traced import primitives as _p
 
 Info = _info.Info
 
-# Matrix factorisations over the last two axes (batched over the others).
-FACTORISATIONS = ('cholesky', 'lu', 'qr', 'eigh', 'svd')
+_CONV = _p.find('jax._src.lax.convolution', 'conv_general_dilated_p')
 
 
 @_analysis.keeps_positions
@@ -108,7 +108,7 @@ def _contracted(an: _analysis.Analysis, eqn: Any, lhs: Info, rhs: Info, dims: An
   if not lhs.data or rhs.data:
     return None
   for d in dims:  # a convolution of the raw inputs (ViT's patches): an input layer
-    raw = not lhs.deps and eqn.primitive.name == 'conv_general_dilated'
+    raw = not lhs.deps and eqn.primitive in _CONV
     an.used(rhs.axes[d], 'input' if raw else 'contracted', eqn)
   last = frozenset(leaf for d in dims for leaf, _ in _info.params_of(rhs.axes[d]))
   return last or None

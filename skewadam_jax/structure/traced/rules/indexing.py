@@ -21,12 +21,6 @@ from skewadam_jax.structure.traced.rules import shapes as _shapes
 Info = _info.Info
 EMPTY = _info.EMPTY
 
-# The scatter primitives (jax spells some with a dash, some with an underscore).
-SCATTERS = ('scatter', 'scatter-add', 'scatter_add', 'scatter-mul', 'scatter_mul',
-            'scatter-min', 'scatter_min', 'scatter-max', 'scatter_max', 'scatter_apply',
-            'scatter-sub', 'scatter_sub')
-
-
 def _index_ids(idx: Info, n: int) -> list[Optional[int]]:
   """Per position of an `n`-long index vector, the decision whose expert ids it holds."""
   if idx.eid is not None and n == 1:

@@ -16,9 +16,6 @@ from skewadam_jax.structure.traced import info as _info
 
 Info = _info.Info
 
-NAMES = ('random_seed', 'random_bits', 'random_split', 'random_fold_in', 'random_wrap',
-         'random_unwrap', 'random_clone', 'random_clone_p', 'threefry2x32')
-
 
 def key_op(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   """Every random-key primitive: outputs of their own shape, nothing on their axes."""

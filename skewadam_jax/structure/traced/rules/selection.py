@@ -19,13 +19,13 @@ from typing import Any, Optional, Sequence
 
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
+from skewadam_jax.structure.traced import primitives as _p
 
 Info = _info.Info
 EMPTY = _info.EMPTY
 
-REDUCTIONS = ('reduce_sum', 'reduce_max', 'reduce_min', 'reduce_prod', 'reduce_and',
-              'reduce_or', 'reduce_xor', 'reduce_precision_sum', 'argmax', 'argmin')
-CUMULATIVE = ('cumsum', 'cumprod', 'cummax', 'cummin', 'cumlogsumexp')
+# The reductions that select (an index along one axis): they may make a decision.
+_ARG = frozenset(_p.find(_p.LAX, 'argmax_p', 'argmin_p'))
 
 
 def decide_along(an: _analysis.Analysis, eqn: Any, prim: str, operand: Info, axis: int,
@@ -93,10 +93,9 @@ def reduce(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   x = ins[0]
   drop = set(eqn.params['axes'])
   axes = tuple(a for i, a in enumerate(x.axes) if i not in drop)
-  prim = eqn.primitive.name
-  if prim in ('argmax', 'argmin') and len(drop) == 1:
+  if eqn.primitive in _ARG and len(drop) == 1:
     (axis,) = drop
-    dec, ids = decide_along(an, eqn, prim, x, axis, _info.shape_of(eqn.invars[0]))
+    dec, ids = decide_along(an, eqn, eqn.primitive.name, x, axis, _info.shape_of(eqn.invars[0]))
     if dec is not None:
       return [Info(axes, x.data, x.routed | {dec}, dec if ids else None)]
   return [Info(axes, x.data, x.routed)]

@@ -1,47 +1,49 @@
 """The interpreter: a forward dataflow over a jaxpr, one rule per primitive.
 
 `Analysis.run` walks a jaxpr's equations in order; each equation's primitive keys its
-rule in the table the analysis is given (`rules.RULES`, like jax's
-`batching.primitive_batchers`): the rule maps the operands' facts (`info.Info`) to the
-outputs' and records what it finds on the analysis (routing decisions, expert banks,
-scanned and stacked axes, blind spots). The value facts (which leaves, decisions and
-masks a value depends on) then flow from every operand to every output
-(`Analysis.depend`), except for the rules that enter a body and follow it instead
-(`follows_bodies`).
+rule in the table the analysis is given (`Table`, `rules.TABLE`, like jax's
+`batching.primitive_batchers`). A rule is pure: it maps the operands' facts
+(`info.Info`) to the outputs' and returns what it found (`findings.Result`: routing
+decisions, expert banks, scanned and stacked axes, blind spots), which `Analysis.eqn`
+applies to what the analysis records (`findings.record`). The value facts (which
+leaves, decisions and masks a value depends on) then flow from every operand to every
+output (`Analysis.depend`), except for the primitives whose rules enter a body and
+follow it instead (`Table.follows_bodies`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from skewadam_jax.core.lazy import jex_core
 import numpy as np
 
 from skewadam_jax.structure.traced import dependence as _dependence
+from skewadam_jax.structure.traced import findings as _findings
 from skewadam_jax.structure.traced import info as _info
 from skewadam_jax.structure.traced import masks as _masks
 from skewadam_jax.structure.traced import units as _units
 
 Info = _info.Info
-# A rule: (analysis, equation, operands' facts) -> outputs' facts.
-Rule = Callable[['Analysis', Any, list[Info]], list[Info]]
+# A rule: (analysis, equation, operands' facts) -> outputs' facts and findings. It reads
+# the analysis (decisions, shapes, the user's line) and never changes it.
+Rule = Callable[['Analysis', Any, list[Info]], _findings.Result]
 
 
-def follows_bodies(rule: Rule) -> Rule:
-  """Marks a rule that enters its equation's bodies: the value facts follow them, so
-  `Analysis.depend` does not join every operand into every output."""
-  rule.follows_bodies = True  # type: ignore[attr-defined]
-  return rule
-
-
-def keeps_positions(rule: Rule) -> Rule:
-  """Marks a rule whose outputs keep each position of an operand axis they carry where
-  it was (elementwise ops, broadcasts, transposes, contractions' batch and free
-  dimensions): joined units (`info.Units` tokens) stay known through it. Any other rule
-  may move them (a slice, a sort, a cumulative sum): `Analysis.eqn` marks them lost."""
-  rule.keeps_positions = True  # type: ignore[attr-defined]
-  return rule
+class Table(NamedTuple):
+  """The rule table and its property tables, keyed by primitive (`rules.TABLE`)."""
+  rules: dict[Any, Rule]
+  no_rule: Rule  # the rule of a primitive not in `rules` (it enters a call's body)
+  # Primitives whose rules enter their equation's bodies: the value facts follow them
+  # (`Analysis.run`) or the rule settles them (`Analysis.depend`), so `Analysis.eqn`
+  # does not join every operand into every output.
+  follows_bodies: frozenset
+  # Primitives whose outputs keep each position of an operand axis they carry where it
+  # was (elementwise ops, broadcasts, transposes, contractions' batch and free
+  # dimensions): joined units (`info.Units`) stay known through them. Any other may move
+  # them (a slice, a sort, a cumulative sum): `Analysis.eqn` marks them lost.
+  keeps_positions: frozenset
 
 
 @dataclasses.dataclass
@@ -60,13 +62,12 @@ class Analysis:
 
   Args:
     shapes: the parameter leaves' shapes.
-    rules: primitive -> rule.
-    no_rule: the rule of a primitive not in `rules`.
+    table: the rules and their properties, by primitive.
   """
 
-  def __init__(self, shapes: list[tuple[int, ...]], rules: dict[Any, Rule], no_rule: Rule):
+  def __init__(self, shapes: list[tuple[int, ...]], table: Table):
     self.shapes = shapes
-    self.rules, self.no_rule = rules, no_rule
+    self.table = table
     self.decisions: dict[int, Decision] = {}  # id(eqn) -> decision
     self.order: list[int] = []  # decision keys in discovery order
     self.router_tokens: dict[_info.Param, set[int]] = {}  # set for the second pass
@@ -120,6 +121,14 @@ class Analysis:
     d.routers.update(routers)
     d.deps = d.deps | deps
     return self.order.index(key), d.ids
+
+  def decision_of(self, eqn: Any, ids: bool) -> tuple[int, bool]:
+    """The number `add_decision` gives (or gave) the decision `eqn` makes, and whether
+    its indices are expert ids, as first read: what a rule returning a `Decided` reads."""
+    key = id(eqn)
+    if key in self.decisions:
+      return self.order.index(key), self.decisions[key].ids
+    return len(self.order), ids
 
   def decision(self, dec: int) -> Decision:
     return self.decisions[self.order[dec]]
@@ -267,17 +276,20 @@ class Analysis:
     return [read(v) for v in jaxpr.outvars]
 
   def eqn(self, eqn: Any, ins: list[Info]) -> list[Info]:
-    """The outputs' facts of one equation, by its primitive's rule."""
-    rule = self.rules.get(eqn.primitive, self.no_rule)
+    """The outputs' facts of one equation, by its primitive's rule; the rule's findings
+    applied (while `eqn` is the innermost caller, for the user's line)."""
+    prim = eqn.primitive
+    rule = self.table.rules.get(prim)
     self.callers.append(eqn)
     try:
-      outs = rule(self, eqn, ins)
+      outs, found = rule(self, eqn, ins) if rule else self.table.no_rule(self, eqn, ins)
+      _findings.record(self, found)
     finally:
       self.callers.pop()
-    if getattr(rule, 'follows_bodies', False):
+    if rule is None or prim in self.table.follows_bodies:
       return outs
     if self.joins:
-      outs = _units.moved(rule, ins, outs)
+      outs = _units.moved(prim in self.table.keeps_positions, ins, outs)
     return self.depend(eqn, ins, outs)
 
   def depend(self, eqn: Any, ins: list[Info], outs: list[Info]) -> list[Info]:

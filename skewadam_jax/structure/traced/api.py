@@ -141,7 +141,7 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
                        data=True)
             for v in jaxpr.invars[len(pidx):]]
 
-  analysis = _analysis.Analysis(shapes, _rules.RULES, _rules.NO_RULE)
+  analysis = _analysis.Analysis(shapes, _rules.TABLE)
   analysis.run(jaxpr, infos, closed.consts)  # first pass: the decisions and routers
   for dec, key in enumerate(analysis.order):
     for token in analysis.decisions[key].routers:

@@ -9,7 +9,7 @@ of the ids or scattered combine weights, multiplied with them, gathered at the i
 leaves of position `p` are unit `p` of that decision: experts, one matrix each.
 
 The positions stay known only through the rules that keep every position of an axis
-where it was (`analysis.keeps_positions`: elementwise ops, broadcasts, transposes,
+where it was (`analysis.Table.keeps_positions`: elementwise ops, broadcasts, transposes,
 contractions' batch and free dimensions, reductions over other axes) and while the
 units' leaves reach an equation through one operand only. Any other equation (a slice,
 a `rev`, a sort, a cumulative sum, a reshape merging the axis) marks them lost
@@ -59,14 +59,14 @@ def meet(an: Any, mine: frozenset, other: frozenset, dispatched: bool) -> None:
               'positions: which unit it is cannot be told'))
 
 
-def moved(rule: Any, ins: list[Info], outs: list[Info]) -> list[Info]:
+def moved(keeps: bool, ins: list[Info], outs: list[Info]) -> list[Info]:
   """The outputs with the operands' joined units marked lost where the equation may move
-  their positions: all of them unless its rule keeps positions, and those whose leaves
-  reach it through more than one operand (their values then meet at other positions)."""
+  their positions: all of them unless its primitive keeps positions (`keeps`), and those
+  whose leaves reach it through more than one operand (their values then meet at other
+  positions)."""
   known = {t for x in ins for tokens in x.axes for t in _info.of_kind(tokens, _info.Units)}
   if not known:
     return outs
-  keeps = getattr(rule, 'keeps_positions', False)
   lost = {t for t in known if not keeps or sum(
       bool(x.deps & frozenset().union(*t.units)) for x in ins) > 1}
   if not lost:

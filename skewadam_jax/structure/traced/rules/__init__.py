@@ -25,29 +25,38 @@ from skewadam_jax.structure.traced.rules import random
 from skewadam_jax.structure.traced.rules import selection
 from skewadam_jax.structure.traced.rules import shapes
 
-def _table() -> dict[Any, _analysis.Rule]:
-  """Primitive -> rule: one line per primitive family (its primitives, every spelling)."""
+def _table() -> _analysis.Table:
+  """The rule table and its property tables: one line per primitive family (its
+  primitives, every spelling), saying its rule and properties."""
   table: dict[Any, _analysis.Rule] = {}
+  follows_bodies, keeps_positions = set(), set()
 
-  def add(prims: Iterable[Any], rule: _analysis.Rule) -> None:
+  def add(prims: Iterable[Any], rule: _analysis.Rule, *, keeps: bool = False,
+          bodies: bool = False) -> None:
+    """`keeps`: the outputs keep every position of an operand axis they carry where it
+    was; `bodies`: the rule enters the equation's bodies (`analysis.Table`)."""
     for prim in prims:
       table[prim] = rule
+      if keeps:
+        keeps_positions.add(prim)
+      if bodies:
+        follows_bodies.add(prim)
 
   # elementwise (and value identities: names, sharding annotations, per-device collectives)
-  add(elementwise.primitives(), elementwise.elementwise)
+  add(elementwise.primitives(), elementwise.elementwise, keeps=True)
   add(_p.find(_p.LAX, 'iota_p'), elementwise.iota)
 
   # shape ops
-  add(_p.find(_p.LAX, 'broadcast_in_dim_p'), shapes.broadcast_in_dim)
-  add(_p.find(_p.LAX, 'reshape_p'), shapes.reshape)
-  add(_p.find(_p.LAX, 'transpose_p'), shapes.transpose)
-  add(_p.find(_p.LAX, 'squeeze_p'), shapes.squeeze)
+  add(_p.find(_p.LAX, 'broadcast_in_dim_p'), shapes.broadcast_in_dim, keeps=True)
+  add(_p.find(_p.LAX, 'reshape_p'), shapes.reshape, keeps=True)
+  add(_p.find(_p.LAX, 'transpose_p'), shapes.transpose, keeps=True)
+  add(_p.find(_p.LAX, 'squeeze_p'), shapes.squeeze, keeps=True)
   add(_p.find(_p.LAX, 'pad_p', 'rev_p'), shapes.same_rank)
   add(_p.find(_p.SLICING, 'slice_p'), shapes.slice_)
   add(_p.find(_p.LAX, 'split_p'), shapes.split)
   add(_p.find(_p.LAX, 'unstack_p'), shapes.unstack)
-  add(_p.find(_p.LAX, 'stack_p'), shapes.stack)
-  add(_p.find(_p.LAX, 'concatenate_p'), shapes.concatenate)
+  add(_p.find(_p.LAX, 'stack_p'), shapes.stack, keeps=True)
+  add(_p.find(_p.LAX, 'concatenate_p'), shapes.concatenate, keeps=True)
   add(_p.find(_p.LAX, 'tile_p'), shapes.tile)
 
   # indexing
@@ -60,7 +69,7 @@ def _table() -> dict[Any, _analysis.Rule]:
   # selection and reductions
   add(_p.find(_p.LAX, 'reduce_sum_p', 'reduce_max_p', 'reduce_min_p', 'reduce_prod_p',
               'reduce_and_p', 'reduce_or_p', 'reduce_xor_p', 'reduce_precision_sum_p',
-              'argmax_p', 'argmin_p'), selection.reduce)
+              'argmax_p', 'argmin_p'), selection.reduce, keeps=True)
   add(_p.find(_p.LAX, 'top_k_p'), selection.top_k)
   add(_p.find('jax._src.lax.ann', 'approx_top_k_p'), selection.approx_top_k)
   add(_p.find(_p.LAX, 'sort_p'), selection.sort)
@@ -68,7 +77,7 @@ def _table() -> dict[Any, _analysis.Rule]:
               'cumlogsumexp_p'), selection.cumulative)
 
   # contraction
-  add(_p.find(_p.LAX, 'dot_general_p'), contraction.dot_general)
+  add(_p.find(_p.LAX, 'dot_general_p'), contraction.dot_general, keeps=True)
   add(_p.find(_p.LAX, 'ragged_dot_general_p'), contraction.ragged_dot_general)
   add(_p.find('jax._src.lax.convolution', 'conv_general_dilated_p'),
       contraction.conv_general_dilated)
@@ -77,9 +86,9 @@ def _table() -> dict[Any, _analysis.Rule]:
       contraction.factorisation)
 
   # control flow
-  add(_p.find(_p.CONTROL, 'scan_p'), control.scan)
-  add(_p.find(_p.CONTROL, 'while_p'), control.while_)
-  add(_p.find(_p.CONTROL, 'cond_p'), control.cond)
+  add(_p.find(_p.CONTROL, 'scan_p'), control.scan, bodies=True)
+  add(_p.find(_p.CONTROL, 'while_p'), control.while_, bodies=True)
+  add(_p.find(_p.CONTROL, 'cond_p'), control.cond, bodies=True)
   add(_p.find(_p.CONTROL, 'linear_solve_p'), control.linear_solve)
 
   # calls: entered (their body maps their operands one to one), opaque, hijax
@@ -89,12 +98,12 @@ def _table() -> dict[Any, _analysis.Rule]:
                 'custom_vjp_call_jaxpr_p'),
        *_p.find('jax._src.shard_map', 'shard_map_p'),
        *_p.find('jax.experimental.shard_map', 'shard_map_p'),
-       *_p.find('jax._src.interpreters.ad', 'custom_lin_p')), calls.call)
+       *_p.find('jax._src.interpreters.ad', 'custom_lin_p')), calls.call, bodies=True)
   add((*_p.find('jax._src.pallas.pallas_call', 'pallas_call_p'),
        *_p.find('jax._src.callback', 'pure_callback_p', 'io_callback_p'),
        *_p.find('jax._src.ffi', 'ffi_call_p'),
        *_p.find('jax._src.debugging', 'debug_callback_p')), calls.opaque_call)
-  add(_p.find('jax._src.hijax', 'call_hi_primitive_p'), calls.hi_primitive)
+  add(_p.find('jax._src.hijax', 'call_hi_primitive_p'), calls.hi_primitive, bodies=True)
 
   # random keys (typed or legacy)
   add((*_p.find('jax._src.random.prng', 'random_seed_p', 'random_bits_p', 'random_split_p',
@@ -104,23 +113,27 @@ def _table() -> dict[Any, _analysis.Rule]:
                 'threefry2x32_p'),
        *_p.find('jax._src.random', 'random_clone_p'),
        *_p.find('jax._src.random.threefry2x32', 'threefry2x32_p')), random.key_op)
-  return table
+  return _analysis.Table(table, calls.no_rule, frozenset(follows_bodies),
+                         frozenset(keeps_positions))
 
 
 @functools.cache
-def _rules() -> dict[Any, _analysis.Rule]:
+def _tables() -> _analysis.Table:
   return _table()
 
 
 def __getattr__(name: str) -> Any:
-  """`RULES`, built at its first read: some primitives' modules (Pallas') are what
-  `import skewadam_jax` does not import (the analysis reads the table when it runs)."""
+  """`TABLE` (the rules and their properties) and `RULES` (its rules), built at their
+  first read: some primitives' modules (Pallas') are what `import skewadam_jax` does not
+  import (the analysis reads the table when it runs)."""
+  if name == 'TABLE':
+    return _tables()
   if name == 'RULES':
-    return _rules()
+    return _tables().rules
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
-NO_RULE = calls.no_rule
+NO_RULE = calls.no_rule  # (also `TABLE.no_rule`)
 
 # The jax version whose primitives (those `jax._src.lax` defines, with the AD, random and
 # control-flow ones) were last read against this table: each has a rule above or is in

@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import findings as _f
 from skewadam_jax.structure.traced import info as _info
 from skewadam_jax.structure.traced import primitives as _p
 from skewadam_jax.structure.traced.rules import calls as _calls
 
 Info = _info.Info
+Result = _f.Result
 
 # What jax batches as an elementwise op but that reads no values here (conversions of
 # extended dtypes, staging plumbing: left to NO_RULE, see `rules.WITHOUT_RULE`).
@@ -58,15 +60,14 @@ COMPARISONS = frozenset(_p.find(_p.LAX, 'eq_p', 'ne_p', 'lt_p', 'le_p', 'gt_p', 
 _SELECT_N = _p.find(_p.LAX, 'select_n_p')
 
 
-@_analysis.keeps_positions
-def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """Each output axis joins the operands' axes of the same length at its position."""
   if not _info.elementwise_shapes(eqn):  # a bitcast to another width: no rule reads it
     return _calls.unreadable(an, eqn, ins)
   prim = eqn.primitive
   shape = _info.shape_of(eqn.outvars[0])
   shapes = [_info.shape_of(v) for v in eqn.invars]
-  axes = []
+  axes, found = [], []
   for ax, n in enumerate(shape):
     here = [(x, x.axes[ax]) for x, s in zip(ins, shapes) if len(s) == len(shape)
             and s[ax] == n and len(x.axes) == len(shape)]
@@ -75,14 +76,13 @@ def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
       for i, (_, mine) in enumerate(here):
         for j, (x, other) in enumerate(here):
           if i != j:
-            an.meet(mine, other, False, f'{prim.name} with an expert-indexed axis')
-            an.near_routed(mine, x)
+            found += [_f.Meet(mine, other, False, f'{prim.name} with an expert-indexed axis'),
+                      _f.NearRouted(mine, x)]
   data, routed = _info.common(ins)
   if data:  # a parameter's own values (any broadcast) added to or scaling activations
     for y in ins:
       if not y.data:
-        for tokens in y.axes:
-          an.used(tokens, 'aligned', eqn)
+        found += [_f.Used(tokens, 'aligned', eqn) for tokens in y.axes]
   eid = iota = None
   columns: tuple = ()
   if prim in ID_PRESERVING:
@@ -100,11 +100,12 @@ def elementwise(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
         e = an.decision(a.eid).num_experts
         if shape[b.iota] == e:  # a one-hot of the expert ids along the iota's axis
           axes[b.iota] = axes[b.iota] | {_info.Experts(a.eid)}
-  return [Info(tuple(axes), data, routed, eid, iota, columns=columns) for _ in eqn.outvars]
+  return Result([Info(tuple(axes), data, routed, eid, iota, columns=columns)
+                 for _ in eqn.outvars], found)
 
 
-def iota(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def iota(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`iota`: the index along one axis (compared with expert ids, a one-hot)."""
   del an, ins
-  return [_info.blank(len(_info.shape_of(eqn.outvars[0])))._replace(
-      iota=eqn.params['dimension'])]
+  return Result([_info.blank(len(_info.shape_of(eqn.outvars[0])))._replace(
+      iota=eqn.params['dimension'])])

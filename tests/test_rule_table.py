@@ -89,3 +89,49 @@ def test_the_listed_primitives_exist_in_the_reviewed_jax():
   if jax.__version__ != rules.REVIEWED_FOR_JAX:
     pytest.skip(f'rule table reviewed for jax {rules.REVIEWED_FOR_JAX}')
   assert not sorted(rules.WITHOUT_RULE - set(_jax_primitives()))
+
+
+def _recorded(an) -> str:
+  """Everything the analysis records (findings applied), as one comparable string."""
+  return repr((an.decisions, an.order, an.banks, an.scans, an.mapped, an.opaque, an.unknown,
+               an.blind, an.pieces, an.uses, an.near, an.joined, an.unclear, an.joins,
+               sorted(map(str, an.memo))))
+
+
+def test_rules_return_findings_and_never_change_the_analysis(monkeypatch):
+  """Every rule that enters no body leaves the analysis as it found it: what it finds
+  comes back as findings, which the driver applies (`findings.record`)."""
+  import moe_programs as mp
+
+  from skewadam_jax.structure.traced import analysis
+  from skewadam_jax.structure.traced import findings
+
+  table = rules.TABLE
+  called = set()
+
+  def checked(rule):
+    def run(an, eqn, ins):
+      before = _recorded(an)
+      result = rule(an, eqn, ins)
+      assert _recorded(an) == before, eqn.primitive
+      assert isinstance(result, findings.Result), eqn.primitive
+      called.add(eqn.primitive)
+      return result
+    return run
+
+  wrapped = {p: r if p in table.follows_bodies else checked(r) for p, r in table.rules.items()}
+  monkeypatch.setattr(rules, 'TABLE', analysis.Table(wrapped, table.no_rule,
+                                                     table.follows_bodies,
+                                                     table.keeps_positions), raising=False)
+  for seed in range(6):
+    program = mp.build(mp.spec_from_seed(seed))
+    sj.trace_structure(program.fn, program.params, *program.args)
+  assert {jax.lax.dot_general_p, jax.lax.top_k_p, jax.lax.reshape_p} <= called
+
+
+def test_the_property_tables_name_ruled_primitives():
+  table = rules.TABLE
+  assert table.follows_bodies <= set(table.rules)
+  assert table.keeps_positions <= set(table.rules)
+  assert jax.lax.scan_p in table.follows_bodies and jax.lax.add_p in table.keeps_positions
+  assert jax.lax.slice_p not in table.keeps_positions  # a slice may move positions

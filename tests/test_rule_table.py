@@ -135,3 +135,16 @@ def test_the_property_tables_name_ruled_primitives():
   assert table.keeps_positions <= set(table.rules)
   assert jax.lax.scan_p in table.follows_bodies and jax.lax.add_p in table.keeps_positions
   assert jax.lax.slice_p not in table.keeps_positions  # a slice may move positions
+
+
+def test_the_elementwise_primitives_are_read_from_jax_batchers():
+  """jax's own elementwise primitives (batched by broadcasting or as vectorised ops)
+  have the elementwise rule, whatever jax version: the set is derived, not listed; the
+  conversions of extended dtypes jax batches alike are left without a rule."""
+  from skewadam_jax.structure.traced.rules import elementwise
+
+  prims = elementwise.primitives()
+  for prim in (jax.lax.add_p, jax.lax.exp_p, jax.lax.tanh_p, jax.lax.ne_p, jax.lax.erf_p,
+               jax.lax.select_n_p, jax.lax.convert_element_type_p):
+    assert rules.RULES[prim] is elementwise.elementwise, prim
+  assert not {p.name for p in prims} & rules.WITHOUT_RULE

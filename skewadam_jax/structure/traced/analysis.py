@@ -27,14 +27,18 @@ from skewadam_jax.structure.traced import units as _units
 
 Info = _info.Info
 # A rule: (analysis, equation, operands' facts) -> outputs' facts and findings. It reads
-# the analysis (decisions, shapes, the user's line) and never changes it.
+# the analysis (decisions, shapes, the user's line) and never changes it; a rule that
+# enters bodies runs them through the driver (`Analysis.run`), which applies the
+# findings of their equations.
 Rule = Callable[['Analysis', Any, list[Info]], _findings.Result]
 
 
 class Table(NamedTuple):
   """The rule table and its property tables, keyed by primitive (`rules.TABLE`)."""
   rules: dict[Any, Rule]
-  no_rule: Rule  # the rule of a primitive not in `rules` (it enters a call's body)
+  # The rule of a primitive not in `rules`: it enters a call's body, else settles its
+  # outputs' value facts itself (as a rule in `follows_bodies` does).
+  no_rule: Rule
   # Primitives whose rules enter their equation's bodies: the value facts follow them
   # (`Analysis.run`) or the rule settles them (`Analysis.depend`), so `Analysis.eqn`
   # does not join every operand into every output.
@@ -161,7 +165,7 @@ class Analysis:
             if leaf in self.out_deps and leaf not in self.out_open
             and not any(t.leaf == leaf for t in self.router_tokens)}
 
-  # -- banks and other findings
+  # -- banks and other findings: how `findings.record` applies a rule's findings
 
   def bank(self, leaf_axis: tuple[int, int], dec: Optional[int], why: str) -> None:
     """Records a parameter axis as the expert axis of a bank of decision `dec`."""

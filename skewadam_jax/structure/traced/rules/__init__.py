@@ -1,12 +1,15 @@
 """The rule table: one rule per primitive, like jax's `batching.primitive_batchers`.
 
-`RULES[primitive]` maps the facts of an equation's operands to its outputs' and records what
-it finds on the analysis (`analysis.Rule`). Adding a primitive is one function in the
-module of its family and one line here, keyed by the primitive objects jax
-defines (`primitives.find`), never by name. A primitive with no entry goes to `NO_RULE`:
-its leaves are undecided, with a warning naming it and the user's line. Every primitive
-of the jax version `REVIEWED_FOR_JAX` has an entry or is listed in `WITHOUT_RULE`
-(tests/test_rule_table.py).
+`RULES[primitive]` maps the facts of an equation's operands to its outputs' and returns
+what it finds (`analysis.Rule`, `findings.Result`); the analysis applies the findings.
+The table is keyed by the primitive objects jax defines (`primitives.find`), never by
+name. Adding a primitive is one function in the module of its family and one line here,
+which also says its properties: `TABLE.keeps_positions` (its outputs keep each position
+of an axis where it was) and `TABLE.follows_bodies` (its rule enters the equation's
+bodies), one table per property. A primitive with no entry goes to `NO_RULE`: its leaves
+are undecided, with a warning naming it and the user's line. Every primitive of the jax
+version `REVIEWED_FOR_JAX` has an entry or is listed in `WITHOUT_RULE` (by name;
+tests/test_rule_table.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from skewadam_jax.structure.traced.rules import random
 from skewadam_jax.structure.traced.rules import selection
 from skewadam_jax.structure.traced.rules import shapes
 
+
+@functools.cache
 def _table() -> _analysis.Table:
   """The rule table and its property tables: one line per primitive family (its
   primitives, every spelling), saying its rule and properties."""
@@ -117,19 +122,14 @@ def _table() -> _analysis.Table:
                          frozenset(keeps_positions))
 
 
-@functools.cache
-def _tables() -> _analysis.Table:
-  return _table()
-
-
 def __getattr__(name: str) -> Any:
   """`TABLE` (the rules and their properties) and `RULES` (its rules), built at their
   first read: some primitives' modules (Pallas') are what `import skewadam_jax` does not
   import (the analysis reads the table when it runs)."""
   if name == 'TABLE':
-    return _tables()
+    return _table()
   if name == 'RULES':
-    return _tables().rules
+    return _table().rules
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 

@@ -110,13 +110,9 @@ class Analysis:
   # -- decisions
 
   def add_decision(self, eqn: Any, prim: str, num_experts: int, ids: bool, unclear: str,
-                   routers: Sequence[tuple[int, int]], deps: frozenset
-                   ) -> tuple[int, bool]:
-    """Registers (or updates, on a later pass or loop iteration) the decision `eqn` makes.
-
-    Returns its number and whether its indices are expert ids, as first read (a loop's
-    later passes add axes).
-    """
+                   routers: Sequence[tuple[int, int]], deps: frozenset) -> None:
+    """Registers (or updates, on a later pass or loop iteration: a loop's later passes
+    add axes) the decision `eqn` makes; its number and ids as first read stay."""
     key = id(eqn)
     if key not in self.decisions:
       self.decisions[key] = Decision(prim, num_experts, ids, unclear=unclear)
@@ -124,11 +120,11 @@ class Analysis:
     d = self.decisions[key]
     d.routers.update(routers)
     d.deps = d.deps | deps
-    return self.order.index(key), d.ids
 
   def decision_of(self, eqn: Any, ids: bool) -> tuple[int, bool]:
-    """The number `add_decision` gives (or gave) the decision `eqn` makes, and whether
-    its indices are expert ids, as first read: what a rule returning a `Decided` reads."""
+    """The number of the decision `eqn` makes (given or to be given by `add_decision`),
+    and whether its indices are expert ids as first read: what a rule returning a
+    `Decided` reads."""
     key = id(eqn)
     if key in self.decisions:
       return self.order.index(key), self.decisions[key].ids

@@ -86,10 +86,12 @@ with a `'hidden'` tier (`sj.MUON_TIERS`) gives it to the hidden matrices:
 `Structure.labels_for(tiers)`, or `sj.skewadam(lr, tiers=sj.MUON_TIERS,
 param_labels=structure)`.
 
-The package: `info` (what the analysis knows about one variable), `analysis` (the
-interpreter over a jaxpr and what it records), `rules` (the rule table, one rule per
-primitive, by family), `masks` (expert-id masks), `units` (units joined along an
-axis), `decide` (findings to tiers) and `api` (`trace_structure`).
+The package: `info` (what the analysis knows about one variable, its typed tokens),
+`analysis` (the interpreter over a jaxpr and what it records), `findings` (what a rule
+finds, applied by the interpreter), `primitives` (jax's primitive objects, the table's
+keys), `rules` (the rule table and its property tables, one rule per primitive, by
+family), `masks` (expert-id masks), `units` (units joined along an axis), `decide`
+(findings to tiers) and `api` (`trace_structure`).
 """
 
 from skewadam_jax.structure.traced.api import TraceWarning

@@ -1,47 +1,53 @@
 """The interpreter: a forward dataflow over a jaxpr, one rule per primitive.
 
-`Analysis.run` walks a jaxpr's equations in order; each equation's primitive names its
-rule in the table the analysis is given (`rules.RULES`, like jax's
-`batching.primitive_batchers`): the rule maps the operands' facts (`info.Info`) to the
-outputs' and records what it finds on the analysis (routing decisions, expert banks,
-scanned and stacked axes, blind spots). The value facts (which leaves, decisions and
-masks a value depends on) then flow from every operand to every output
-(`Analysis.depend`), except for the rules that enter a body and follow it instead
-(`follows_bodies`).
+`Analysis.run` walks a jaxpr's equations in order; each equation's primitive keys its
+rule in the table the analysis is given (`Table`, `rules.TABLE`, like jax's
+`batching.primitive_batchers`). A rule is pure: it maps the operands' facts
+(`info.Info`) to the outputs' and returns what it found (`findings.Result`: routing
+decisions, expert banks, scanned and stacked axes, blind spots), which `Analysis.eqn`
+applies to what the analysis records (`findings.record`). The value facts (which
+leaves, decisions and masks a value depends on) then flow from every operand to every
+output (`Analysis.depend`), except for the primitives whose rules enter a body and
+follow it instead (`Table.follows_bodies`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from skewadam_jax.core.lazy import jex_core
 import numpy as np
 
 from skewadam_jax.structure.traced import dependence as _dependence
+from skewadam_jax.structure.traced import findings as _findings
 from skewadam_jax.structure.traced import info as _info
 from skewadam_jax.structure.traced import masks as _masks
 from skewadam_jax.structure.traced import units as _units
 
 Info = _info.Info
-# A rule: (analysis, equation, operands' facts) -> outputs' facts.
-Rule = Callable[['Analysis', Any, list[Info]], list[Info]]
+# A rule: (analysis, equation, operands' facts) -> outputs' facts and findings. It reads
+# the analysis (decisions, shapes, the user's line) and never changes it; a rule that
+# enters bodies runs them through the driver (`Analysis.run`), which applies the
+# findings of their equations.
+Rule = Callable[['Analysis', Any, list[Info]], _findings.Result]
 
 
-def follows_bodies(rule: Rule) -> Rule:
-  """Marks a rule that enters its equation's bodies: the value facts follow them, so
-  `Analysis.depend` does not join every operand into every output."""
-  rule.follows_bodies = True  # type: ignore[attr-defined]
-  return rule
-
-
-def keeps_positions(rule: Rule) -> Rule:
-  """Marks a rule whose outputs keep each position of an operand axis they carry where
-  it was (elementwise ops, broadcasts, transposes, contractions' batch and free
-  dimensions): joined units (`('u', ...)` tokens) stay known through it. Any other rule
-  may move them (a slice, a sort, a cumulative sum): `Analysis.eqn` marks them lost."""
-  rule.keeps_positions = True  # type: ignore[attr-defined]
-  return rule
+class Table(NamedTuple):
+  """The rule table and its property tables, keyed by primitive (`rules.TABLE`)."""
+  rules: dict[Any, Rule]
+  # The rule of a primitive not in `rules`: it enters a call's body, else settles its
+  # outputs' value facts itself (as a rule in `follows_bodies` does).
+  no_rule: Rule
+  # Primitives whose rules enter their equation's bodies: the value facts follow them
+  # (`Analysis.run`) or the rule settles them (`Analysis.depend`), so `Analysis.eqn`
+  # does not join every operand into every output.
+  follows_bodies: frozenset
+  # Primitives whose outputs keep each position of an operand axis they carry where it
+  # was (elementwise ops, broadcasts, transposes, contractions' batch and free
+  # dimensions): joined units (`info.Units`) stay known through them. Any other may move
+  # them (a slice, a sort, a cumulative sum): `Analysis.eqn` marks them lost.
+  keeps_positions: frozenset
 
 
 @dataclasses.dataclass
@@ -60,16 +66,15 @@ class Analysis:
 
   Args:
     shapes: the parameter leaves' shapes.
-    rules: primitive name -> rule.
-    no_rule: the rule of a primitive not in `rules`.
+    table: the rules and their properties, by primitive.
   """
 
-  def __init__(self, shapes: list[tuple[int, ...]], rules: dict[str, Rule], no_rule: Rule):
+  def __init__(self, shapes: list[tuple[int, ...]], table: Table):
     self.shapes = shapes
-    self.rules, self.no_rule = rules, no_rule
+    self.table = table
     self.decisions: dict[int, Decision] = {}  # id(eqn) -> decision
     self.order: list[int] = []  # decision keys in discovery order
-    self.router_tokens: dict[tuple[int, int], set[int]] = {}  # set for the second pass
+    self.router_tokens: dict[_info.Param, set[int]] = {}  # set for the second pass
     self.banks: dict[tuple[int, int], dict[str, set[int]]] = {}  # (leaf, axis) -> why -> decs
     self.scans: dict[tuple[int, int], int] = {}  # (leaf, axis) -> scan length
     # (leaf, axis) -> length: axes a decision is made per slice of (a `vmap` over stacked
@@ -91,7 +96,7 @@ class Analysis:
     # leaf -> dec -> positions: separate leaves joined along an axis that meets the
     # experts of a decision (`stack([unit(x) for unit in modules])` against a one-hot)
     self.joined: _masks.Masked = {}
-    self.joins = False  # some values joined units along an axis (`('u', ...)` tokens)
+    self.joins = False  # some values joined units along an axis (`info.Units` tokens)
     self.unclear: dict[int, str] = {}  # leaf -> meets tokens of an unclear decision
     # (leaf, axis) -> decisions over as many experts as the axis is long whose routed
     # values it meets (a contraction or elementwise alignment), bank or not
@@ -105,13 +110,9 @@ class Analysis:
   # -- decisions
 
   def add_decision(self, eqn: Any, prim: str, num_experts: int, ids: bool, unclear: str,
-                   routers: Sequence[tuple[int, int]], deps: frozenset
-                   ) -> tuple[int, bool]:
-    """Registers (or updates, on a later pass or loop iteration) the decision `eqn` makes.
-
-    Returns its number and whether its indices are expert ids, as first read (a loop's
-    later passes add axes).
-    """
+                   routers: Sequence[tuple[int, int]], deps: frozenset) -> None:
+    """Registers (or updates, on a later pass or loop iteration: a loop's later passes
+    add axes) the decision `eqn` makes; its number and ids as first read stay."""
     key = id(eqn)
     if key not in self.decisions:
       self.decisions[key] = Decision(prim, num_experts, ids, unclear=unclear)
@@ -119,7 +120,15 @@ class Analysis:
     d = self.decisions[key]
     d.routers.update(routers)
     d.deps = d.deps | deps
-    return self.order.index(key), d.ids
+
+  def decision_of(self, eqn: Any, ids: bool) -> tuple[int, bool]:
+    """The number of the decision `eqn` makes (given or to be given by `add_decision`),
+    and whether its indices are expert ids as first read: what a rule returning a
+    `Decided` reads."""
+    key = id(eqn)
+    if key in self.decisions:
+      return self.order.index(key), self.decisions[key].ids
+    return len(self.order), ids
 
   def decision(self, dec: int) -> Decision:
     return self.decisions[self.order[dec]]
@@ -150,9 +159,9 @@ class Analysis:
     """
     return {leaf: decs for leaf, decs in self.masked.items()
             if leaf in self.out_deps and leaf not in self.out_open
-            and not any(t[0] == leaf for t in self.router_tokens)}
+            and not any(t.leaf == leaf for t in self.router_tokens)}
 
-  # -- banks and other findings
+  # -- banks and other findings: how `findings.record` applies a rule's findings
 
   def bank(self, leaf_axis: tuple[int, int], dec: Optional[int], why: str) -> None:
     """Records a parameter axis as the expert axis of a bank of decision `dec`."""
@@ -160,18 +169,18 @@ class Analysis:
 
   def experts_of(self, tokens: frozenset, dispatched: bool) -> set[int]:
     """Decisions whose experts this axis indexes (with `dispatched`: or whose tokens)."""
-    decs = _info.flags(tokens, 'e')
+    decs = _info.decisions_of(tokens, _info.Experts)
     if dispatched:
-      decs |= _info.flags(tokens, 'd')
+      decs |= _info.decisions_of(tokens, _info.Dispatched)
     for t in tokens:
       decs |= self.router_tokens.get(t, set())
     return decs
 
   def meet(self, mine: frozenset, other: frozenset, dispatched: bool, why: str) -> None:
     """Parameter axes in `mine` of length E meet an axis indexing E experts: banks."""
-    if any(t[0] in ('u', 'v') for t in mine):
+    if _info.of_kind(mine, _info.Units, _info.MovedUnits):
       _units.meet(self, mine, other, dispatched)
-    if not any(isinstance(t[0], int) for t in mine):
+    if not _info.params_of(mine):
       return
     decs = self.experts_of(other, dispatched)
     # An axis derived from a bank's expert axis indexes its experts (the output of a
@@ -208,15 +217,15 @@ class Analysis:
 
   def taken_apart(self, tokens: frozenset) -> None:
     """A width-1 piece of these axes is dropped: record which one."""
-    for t in tokens:
-      if t[0] == '1' and self.shapes[t[1][0]][t[1][1]] > 1:
-        self.pieces.setdefault(t[1][:2], set()).add(t[1][2])
+    for t in _info.of_kind(tokens, _info.Piece):
+      if self.shapes[t.leaf][t.axis] > 1:
+        self.pieces.setdefault(t.param, set()).add(t.start)
 
   def map_axes(self, tokens: frozenset, n: int) -> None:
     """The `n`-long parameter axes of `tokens` run along the batch axis of a decision
     made per slice (one routing decision per layer of a `vmap`): batch axes."""
     for t in _info.params_of(tokens):
-      if self.shapes[t[0]][t[1]] == n:
+      if self.shapes[t.leaf][t.axis] == n:
         self.mapped[t] = n
 
   def is_mapped(self, tokens: frozenset) -> bool:
@@ -267,17 +276,20 @@ class Analysis:
     return [read(v) for v in jaxpr.outvars]
 
   def eqn(self, eqn: Any, ins: list[Info]) -> list[Info]:
-    """The outputs' facts of one equation, by its primitive's rule."""
-    rule = self.rules.get(eqn.primitive.name, self.no_rule)
+    """The outputs' facts of one equation, by its primitive's rule; the rule's findings
+    applied (while `eqn` is the innermost caller, for the user's line)."""
+    prim = eqn.primitive
+    rule = self.table.rules.get(prim)
     self.callers.append(eqn)
     try:
-      outs = rule(self, eqn, ins)
+      outs, found = rule(self, eqn, ins) if rule else self.table.no_rule(self, eqn, ins)
+      _findings.record(self, found)
     finally:
       self.callers.pop()
-    if getattr(rule, 'follows_bodies', False):
+    if rule is None or prim in self.table.follows_bodies:
       return outs
     if self.joins:
-      outs = _units.moved(rule, ins, outs)
+      outs = _units.moved(prim in self.table.keeps_positions, ins, outs)
     return self.depend(eqn, ins, outs)
 
   def depend(self, eqn: Any, ins: list[Info], outs: list[Info]) -> list[Info]:

@@ -135,13 +135,13 @@ def trace_structure(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
         'loss_fn(nnx.merge(graphdef, s, rest), b), state, batch).') from e
   jaxpr = closed.jaxpr
   one = [frozenset({k}) for k in range(len(pidx))]
-  infos = [_info.Info(tuple(frozenset({(k, a)}) for a in range(len(shapes[k]))),
+  infos = [_info.Info(tuple(frozenset({_info.Param(k, a)}) for a in range(len(shapes[k]))),
                       deps=one[k], free=one[k], open=one[k]) for k in range(len(pidx))]
   infos += [_info.Info(tuple(frozenset({_info.INPUT_AXIS}) for _ in _info.shape_of(v)),
                        data=True)
             for v in jaxpr.invars[len(pidx):]]
 
-  analysis = _analysis.Analysis(shapes, _rules.RULES, _rules.NO_RULE)
+  analysis = _analysis.Analysis(shapes, _rules.TABLE)
   analysis.run(jaxpr, infos, closed.consts)  # first pass: the decisions and routers
   for dec, key in enumerate(analysis.order):
     for token in analysis.decisions[key].routers:

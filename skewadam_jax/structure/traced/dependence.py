@@ -29,7 +29,7 @@ def depend(an: Any, eqn: Any, ins: list[Info], outs: list[Info]) -> list[Info]:
   free = frozenset().union(*(x.free for x in ins))
   piece = frozenset().union(*(_info.pieces(x) for x in ins))
   last = frozenset().union(*(x.last or _info.EMPTY for x in ins))
-  if an.cut and (eqn.primitive.name == 'dot_general' or (
+  if an.cut and (eqn.primitive in _masks.DOT or (
       len(outs) == 1 and _info.elementwise_shapes(eqn))):
     hot = [bool(an.cut.intersection(t)) for t in outs[0].axes]
     if any(hot):

@@ -1,24 +1,29 @@
 """What the traced analysis knows about one jaxpr variable, and how two such facts join.
 
-Every variable carries, per axis, a set of tokens:
+Every variable carries, per axis, a set of tokens, one class per kind:
 
-* `(leaf, axis)`: the axis derives from that axis of a parameter leaf;
-* `INPUT_AXIS`: it derives from an axis of the function's inputs (tokens, batch,
-  sequence), as opposed to one a parameter's axis produces;
-* `BATCHED`: it was a batch dimension of a contraction whose both operands' axes come
-  from parameters (each slice's own matrices applied to each slice's own activations);
-* `('d', dec)`: it runs over tokens dispatched by routing decision `dec`;
-  `('e', dec)`: it indexes the experts of `dec`;
-* `('1', (leaf, axis, start))`: it is the single piece at `start` (None: at a loop
+* `Param(leaf, axis)`: the axis derives from that axis of a parameter leaf;
+* `INPUT_AXIS` (`InputAxis`): it derives from an axis of the function's inputs (tokens,
+  batch, sequence), as opposed to one a parameter's axis produces;
+* `BATCHED` (`Batched`): it was a batch dimension of a contraction whose both operands'
+  axes come from parameters (each slice's own matrices applied to each slice's own
+  activations);
+* `Dispatched(dec)`: it runs over tokens dispatched by routing decision `dec`;
+  `Experts(dec)`: it indexes the experts of `dec`;
+* `Piece(leaf, axis, start)`: it is the single piece at `start` (None: at a loop
   counter) of that parameter axis;
-* `('m', parts)`: parameter axes merged by a reshape, `parts` their (size, tokens), to be
-  given back if a reshape splits the same sizes apart again;
-* `('s', (tokens, sizes, position))`: the part at `position` of a parameter axis a
-  reshape split into `sizes`, to be given back if a reshape merges the parts again;
-* `('u', units)`: values computed from separate leaves joined along this axis
+* `Merged(parts)`: parameter axes merged by a reshape, `parts` their (size, params), to
+  be given back if a reshape splits the same sizes apart again;
+* `Split(params, sizes, position)`: the part at `position` of a parameter axis a reshape
+  split into `sizes`, to be given back if a reshape merges the parts again;
+* `Units(units)`: values computed from separate leaves joined along this axis
   (`stack([unit(x) for unit in modules])`): `units[p]` holds the leaves that position
-  `p` is computed from and no other position is; `('v', units)`: the same, once an
+  `p` is computed from and no other position is; `MovedUnits(units)`: the same, once an
   operation may have moved the positions (a slice, a sort, a reshape merging the axis).
+
+`Param` is a `NamedTuple`, equal to its `(leaf, axis)` pair: the analysis keys what it
+finds per parameter axis by it. The other kinds are frozen dataclasses, equal only to
+their own kind (`Experts(0) != Dispatched(0)`).
 
 Besides the axes, the value facts (`Info`'s other fields) flow from every operand to
 every output of an equation (`Analysis.depend`).
@@ -26,7 +31,8 @@ every output of an equation (`Analysis.depend`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+import dataclasses
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -34,8 +40,82 @@ import numpy as np
 from skewadam_jax.core.lazy import source_info_util
 
 EMPTY: frozenset = frozenset()
-INPUT_AXIS = ('x', 0)
-BATCHED = ('b', 0)
+
+
+class Param(NamedTuple):
+  """The axis derives from axis `axis` of parameter leaf `leaf`."""
+  leaf: int
+  axis: int
+
+
+_token = dataclasses.dataclass(frozen=True)
+
+
+@_token
+class InputAxis:
+  """The axis derives from an axis of the function's inputs."""
+
+
+@_token
+class Batched:
+  """A batch dimension of a contraction whose both operands' axes come from parameters."""
+
+
+@_token
+class Dispatched:
+  """The axis runs over tokens dispatched by routing decision `dec`."""
+  dec: int
+
+
+@_token
+class Experts:
+  """The axis indexes the experts of routing decision `dec`."""
+  dec: int
+
+
+@_token
+class Piece:
+  """The single piece at `start` (None: at a loop counter) of a parameter axis."""
+  leaf: int
+  axis: int
+  start: Optional[int]
+
+  @property
+  def param(self) -> Param:
+    return Param(self.leaf, self.axis)
+
+
+@_token
+class Merged:
+  """Parameter axes merged by a reshape: per merged axis, (size, its `Param`s)."""
+  parts: tuple[tuple[int, frozenset], ...]
+
+
+@_token
+class Split:
+  """The part at `position` of the parameter axes `params`, split into `sizes`."""
+  params: frozenset
+  sizes: tuple[int, ...]
+  position: int
+
+
+@_token
+class Units:
+  """Separate leaves joined along the axis: `units[p]` those only position `p` is
+  computed from."""
+  units: tuple[frozenset, ...]
+
+
+@_token
+class MovedUnits:
+  """`Units` whose positions an operation may have moved."""
+  units: tuple[frozenset, ...]
+
+
+Token = Union[Param, InputAxis, Batched, Dispatched, Experts, Piece, Merged, Split, Units,
+              MovedUnits]
+INPUT_AXIS = InputAxis()
+BATCHED = Batched()
 
 
 class Info(NamedTuple):
@@ -85,27 +165,32 @@ def is_integer(var: Any) -> bool:
   return bool(np.issubdtype(dtype, np.integer))
 
 
-def params_of(tokens: frozenset) -> list[tuple[int, int]]:
-  """The (leaf, axis) tokens of an axis."""
-  return [t for t in tokens if isinstance(t[0], int)]
+def params_of(tokens: frozenset) -> list[Param]:
+  """The `Param` tokens of an axis."""
+  return [t for t in tokens if isinstance(t, Param)]
 
 
-def flags(tokens: frozenset, kind: str) -> set[Any]:
-  """The payloads of an axis' tokens of one kind (`'d'`, `'e'`, ...)."""
-  return {t[1] for t in tokens if t[0] == kind}
+def of_kind(tokens: frozenset, *kinds: type) -> list[Any]:
+  """An axis' tokens of the given kinds."""
+  return [t for t in tokens if isinstance(t, kinds)]
 
 
-def units_of(tokens: frozenset, kinds: tuple[str, ...] = ('u',)
-             ) -> list[tuple[str, tuple[frozenset, ...]]]:
-  """The (kind, units) of an axis' joined-units tokens of the given kinds."""
-  return [t for t in tokens if t[0] in kinds]
+def without_params(tokens: frozenset) -> frozenset:
+  """An axis' tokens other than `Param`s (a concatenated or tiled axis is no parameter's
+  own)."""
+  return frozenset(t for t in tokens if not isinstance(t, Param))
+
+
+def decisions_of(tokens: frozenset, kind: type) -> set[int]:
+  """The decisions of an axis' `Experts` or `Dispatched` tokens."""
+  return {t.dec for t in tokens if isinstance(t, kind)}
 
 
 def lose_units(tokens: frozenset) -> frozenset:
   """An axis whose positions may have moved: its units' positions are no longer known."""
-  if not any(t[0] == 'u' for t in tokens):
+  if not any(isinstance(t, Units) for t in tokens):
     return tokens
-  return frozenset(('v', t[1]) if t[0] == 'u' else t for t in tokens)
+  return frozenset(MovedUnits(t.units) if isinstance(t, Units) else t for t in tokens)
 
 
 def pieces(info: Info) -> frozenset:

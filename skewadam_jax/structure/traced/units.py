@@ -3,17 +3,17 @@
 A bank stored as separate leaves (a Python list of expert modules) whose outputs are
 stacked (`stack([unit(x) for unit in modules])`, or width-1 pieces concatenated) joins
 its units along the new axis: position `p` is computed from leaves no other position is
-(a `('u', units)` token on that axis, `units[p]` those leaves). Where that axis meets an
+(a `info.Units` token on that axis, `units[p]` those leaves). Where that axis meets an
 axis indexing the experts of a decision over as many experts (contracted with a one-hot
 of the ids or scattered combine weights, multiplied with them, gathered at the ids), the
 leaves of position `p` are unit `p` of that decision: experts, one matrix each.
 
 The positions stay known only through the rules that keep every position of an axis
-where it was (`analysis.keeps_positions`: elementwise ops, broadcasts, transposes,
+where it was (`analysis.Table.keeps_positions`: elementwise ops, broadcasts, transposes,
 contractions' batch and free dimensions, reductions over other axes) and while the
 units' leaves reach an equation through one operand only. Any other equation (a slice,
-a `rev`, a sort, a cumulative sum, a reshape merging the axis) marks them lost (`('v',
-units)`): meeting the experts then, the leaves are undecided, and loud.
+a `rev`, a sort, a cumulative sum, a reshape merging the axis) marks them lost
+(`info.MovedUnits`): meeting the experts then, the leaves are undecided, and loud.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def meet(an: Any, mine: frozenset, other: frozenset, dispatched: bool) -> None:
   the units and the undecided leaves are recorded.
   """
   decs = an.experts_of(other, dispatched)
-  for kind, units in _info.units_of(mine, ('u', 'v')):
-    dec = an.latest(decs, len(units))
+  for token in _info.of_kind(mine, _info.Units, _info.MovedUnits):
+    dec = an.latest(decs, len(token.units))
     if dec is None:
       continue
-    for p, leaves in enumerate(units):
+    for p, leaves in enumerate(token.units):
       for leaf in leaves:
-        if kind == 'u':
+        if isinstance(token, _info.Units):
           an.joined.setdefault(leaf, {}).setdefault(dec, set()).add(p)
         else:
           an.unclear.setdefault(leaf, (
@@ -59,18 +59,18 @@ def meet(an: Any, mine: frozenset, other: frozenset, dispatched: bool) -> None:
               'positions: which unit it is cannot be told'))
 
 
-def moved(rule: Any, ins: list[Info], outs: list[Info]) -> list[Info]:
+def moved(keeps: bool, ins: list[Info], outs: list[Info]) -> list[Info]:
   """The outputs with the operands' joined units marked lost where the equation may move
-  their positions: all of them unless its rule keeps positions, and those whose leaves
-  reach it through more than one operand (their values then meet at other positions)."""
-  known = {t for x in ins for tokens in x.axes for t in _info.units_of(tokens)}
+  their positions: all of them unless its primitive keeps positions (`keeps`), and those
+  whose leaves reach it through more than one operand (their values then meet at other
+  positions)."""
+  known = {t for x in ins for tokens in x.axes for t in _info.of_kind(tokens, _info.Units)}
   if not known:
     return outs
-  keeps = getattr(rule, 'keeps_positions', False)
   lost = {t for t in known if not keeps or sum(
-      bool(x.deps & frozenset().union(*t[1])) for x in ins) > 1}
+      bool(x.deps & frozenset().union(*t.units)) for x in ins) > 1}
   if not lost:
     return outs
   return [o._replace(axes=tuple(
-      frozenset(('v', t[1]) if t in lost else t for t in tokens) for tokens in o.axes))
-          for o in outs]
+      frozenset(_info.MovedUnits(t.units) if t in lost else t for t in tokens)
+      for tokens in o.axes)) for o in outs]

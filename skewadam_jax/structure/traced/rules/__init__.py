@@ -1,16 +1,24 @@
 """The rule table: one rule per primitive, like jax's `batching.primitive_batchers`.
 
-`RULES[name]` maps the facts of an equation's operands to its outputs' and records what
-it finds on the analysis (`analysis.Rule`). Adding a primitive is one function in the
-module of its family and one line here. A primitive with no entry goes to `NO_RULE`:
-its leaves are undecided, with a warning naming it and the user's line. Every primitive
-of the jax version `REVIEWED_FOR_JAX` has an entry or is listed in `WITHOUT_RULE`
-(tests/structure/traced/test_rule_table.py).
+`RULES[primitive]` maps the facts of an equation's operands to its outputs' and returns
+what it finds (`analysis.Rule`, `findings.Result`); the analysis applies the findings.
+The table is keyed by the primitive objects jax defines (`primitives.find`), never by
+name. Adding a primitive is one function in the module of its family and one line here,
+which also says its properties: `TABLE.keeps_positions` (its outputs keep each position
+of an axis where it was) and `TABLE.follows_bodies` (its rule enters the equation's
+bodies), one table per property. A primitive with no entry goes to `NO_RULE`: its leaves
+are undecided, with a warning naming it and the user's line. Every primitive of the jax
+version `REVIEWED_FOR_JAX` has an entry or is listed in `WITHOUT_RULE` (by name;
+tests/structure/traced/test_rule_table.py).
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any, Iterable
+
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import primitives as _p
 from skewadam_jax.structure.traced.rules import calls
 from skewadam_jax.structure.traced.rules import contraction
 from skewadam_jax.structure.traced.rules import control
@@ -20,70 +28,112 @@ from skewadam_jax.structure.traced.rules import random
 from skewadam_jax.structure.traced.rules import selection
 from skewadam_jax.structure.traced.rules import shapes
 
-RULES: dict[str, _analysis.Rule] = {}
 
-# elementwise (and value identities: names, sharding annotations, per-device collectives)
-for _name in elementwise.NAMES:
-  RULES[_name] = elementwise.elementwise
-RULES['iota'] = elementwise.iota
+@functools.cache
+def _table() -> _analysis.Table:
+  """The rule table and its property tables: one line per primitive family (its
+  primitives, every spelling), saying its rule and properties."""
+  table: dict[Any, _analysis.Rule] = {}
+  follows_bodies, keeps_positions = set(), set()
 
-# shape ops
-RULES['broadcast_in_dim'] = shapes.broadcast_in_dim
-RULES['reshape'] = shapes.reshape
-RULES['transpose'] = shapes.transpose
-RULES['squeeze'] = shapes.squeeze
-RULES['pad'] = shapes.same_rank
-RULES['rev'] = shapes.same_rank
-RULES['slice'] = shapes.slice_
-RULES['split'] = shapes.split
-RULES['unstack'] = shapes.unstack
-RULES['stack'] = shapes.stack
-RULES['concatenate'] = shapes.concatenate
-RULES['tile'] = shapes.tile
+  def add(prims: Iterable[Any], rule: _analysis.Rule, *, keeps: bool = False,
+          bodies: bool = False) -> None:
+    """`keeps`: the outputs keep every position of an operand axis they carry where it
+    was; `bodies`: the rule enters the equation's bodies (`analysis.Table`)."""
+    for prim in prims:
+      table[prim] = rule
+      if keeps:
+        keeps_positions.add(prim)
+      if bodies:
+        follows_bodies.add(prim)
 
-# indexing
-RULES['gather'] = indexing.gather
-for _name in indexing.SCATTERS:
-  RULES[_name] = indexing.scatter
-RULES['dynamic_slice'] = indexing.dynamic_slice
-RULES['dynamic_update_slice'] = indexing.dynamic_update_slice
+  # elementwise (and value identities: names, sharding annotations, per-device collectives)
+  add(elementwise.primitives(), elementwise.elementwise, keeps=True)
+  add(_p.find(_p.LAX, 'iota_p'), elementwise.iota)
 
-# selection and reductions
-for _name in selection.REDUCTIONS:
-  RULES[_name] = selection.reduce
-RULES['top_k'] = selection.top_k
-RULES['approx_top_k'] = selection.approx_top_k
-RULES['sort'] = selection.sort
-for _name in selection.CUMULATIVE:
-  RULES[_name] = selection.cumulative
+  # shape ops
+  add(_p.find(_p.LAX, 'broadcast_in_dim_p'), shapes.broadcast_in_dim, keeps=True)
+  add(_p.find(_p.LAX, 'reshape_p'), shapes.reshape, keeps=True)
+  add(_p.find(_p.LAX, 'transpose_p'), shapes.transpose, keeps=True)
+  add(_p.find(_p.LAX, 'squeeze_p'), shapes.squeeze, keeps=True)
+  add(_p.find(_p.LAX, 'pad_p', 'rev_p'), shapes.same_rank)
+  add(_p.find(_p.SLICING, 'slice_p'), shapes.slice_)
+  add(_p.find(_p.LAX, 'split_p'), shapes.split)
+  add(_p.find(_p.LAX, 'unstack_p'), shapes.unstack)
+  add(_p.find(_p.LAX, 'stack_p'), shapes.stack, keeps=True)
+  add(_p.find(_p.LAX, 'concatenate_p'), shapes.concatenate, keeps=True)
+  add(_p.find(_p.LAX, 'tile_p'), shapes.tile)
 
-# contraction
-RULES['dot_general'] = contraction.dot_general
-RULES['ragged_dot_general'] = contraction.ragged_dot_general
-RULES['conv_general_dilated'] = contraction.conv_general_dilated
-RULES['triangular_solve'] = contraction.triangular_solve
-for _name in contraction.FACTORISATIONS:
-  RULES[_name] = contraction.factorisation
+  # indexing
+  add(_p.find(_p.SLICING, 'gather_p'), indexing.gather)
+  add(_p.find(_p.SLICING, 'scatter_p', 'scatter_add_p', 'scatter_mul_p', 'scatter_min_p',
+              'scatter_max_p', 'scatter_apply_p', 'scatter_sub_p'), indexing.scatter)
+  add(_p.find(_p.SLICING, 'dynamic_slice_p'), indexing.dynamic_slice)
+  add(_p.find(_p.SLICING, 'dynamic_update_slice_p'), indexing.dynamic_update_slice)
 
-# control flow
-RULES['scan'] = control.scan
-RULES['while'] = control.while_
-RULES['cond'] = control.cond
-RULES['custom_linear_solve'] = control.linear_solve
+  # selection and reductions
+  add(_p.find(_p.LAX, 'reduce_sum_p', 'reduce_max_p', 'reduce_min_p', 'reduce_prod_p',
+              'reduce_and_p', 'reduce_or_p', 'reduce_xor_p', 'reduce_precision_sum_p',
+              'argmax_p', 'argmin_p'), selection.reduce, keeps=True)
+  add(_p.find(_p.LAX, 'top_k_p'), selection.top_k)
+  add(_p.find('jax._src.lax.ann', 'approx_top_k_p'), selection.approx_top_k)
+  add(_p.find(_p.LAX, 'sort_p'), selection.sort)
+  add(_p.find(_p.CONTROL, 'cumsum_p', 'cumprod_p', 'cummax_p', 'cummin_p',
+              'cumlogsumexp_p'), selection.cumulative)
 
-# calls
-for _name in calls.ENTERED:
-  RULES[_name] = calls.call
-for _name in calls.OPAQUE:
-  RULES[_name] = calls.opaque_call
-for _name in calls.HIGH:
-  RULES[_name] = calls.hi_primitive
+  # contraction
+  add(_p.find(_p.LAX, 'dot_general_p'), contraction.dot_general, keeps=True)
+  add(_p.find(_p.LAX, 'ragged_dot_general_p'), contraction.ragged_dot_general)
+  add(_p.find('jax._src.lax.convolution', 'conv_general_dilated_p'),
+      contraction.conv_general_dilated)
+  add(_p.find(_p.LINALG, 'triangular_solve_p'), contraction.triangular_solve)
+  add(_p.find(_p.LINALG, 'cholesky_p', 'lu_p', 'qr_p', 'eigh_p', 'svd_p'),
+      contraction.factorisation)
 
-# random keys
-for _name in random.NAMES:
-  RULES[_name] = random.key_op
+  # control flow
+  add(_p.find(_p.CONTROL, 'scan_p'), control.scan, bodies=True)
+  add(_p.find(_p.CONTROL, 'while_p'), control.while_, bodies=True)
+  add(_p.find(_p.CONTROL, 'cond_p'), control.cond, bodies=True)
+  add(_p.find(_p.CONTROL, 'linear_solve_p'), control.linear_solve)
 
-NO_RULE = calls.no_rule
+  # calls: entered (their body maps their operands one to one), opaque, hijax
+  add((*_p.find(_p.PJIT, 'jit_p', 'pjit_p'), *_p.find(_p.CORE, 'closed_call_p', 'named_call_p'),
+       *_p.find(_p.CHECKPOINT, 'remat_p'),
+       *_p.find('jax._src.custom_derivatives', 'custom_jvp_call_p', 'custom_vjp_call_p',
+                'custom_vjp_call_jaxpr_p'),
+       *_p.find('jax._src.shard_map', 'shard_map_p'),
+       *_p.find('jax.experimental.shard_map', 'shard_map_p'),
+       *_p.find('jax._src.interpreters.ad', 'custom_lin_p')), calls.call, bodies=True)
+  add((*_p.find('jax._src.pallas.pallas_call', 'pallas_call_p'),
+       *_p.find('jax._src.callback', 'pure_callback_p', 'io_callback_p'),
+       *_p.find('jax._src.ffi', 'ffi_call_p'),
+       *_p.find('jax._src.debugging', 'debug_callback_p')), calls.opaque_call)
+  add(_p.find('jax._src.hijax', 'call_hi_primitive_p'), calls.hi_primitive, bodies=True)
+
+  # random keys (typed or legacy)
+  add((*_p.find('jax._src.random.prng', 'random_seed_p', 'random_bits_p', 'random_split_p',
+                'random_fold_in_p', 'random_wrap_p', 'random_unwrap_p'),
+       *_p.find('jax._src.prng', 'random_seed_p', 'random_bits_p', 'random_split_p',
+                'random_fold_in_p', 'random_wrap_p', 'random_unwrap_p', 'random_clone_p',
+                'threefry2x32_p'),
+       *_p.find('jax._src.random', 'random_clone_p'),
+       *_p.find('jax._src.random.threefry2x32', 'threefry2x32_p')), random.key_op)
+  return _analysis.Table(table, calls.no_rule, frozenset(follows_bodies),
+                         frozenset(keeps_positions))
+
+
+def __getattr__(name: str) -> Any:
+  """`TABLE` (the rules and their properties) and `RULES` (its rules), built at their
+  first read: some primitives' modules (Pallas') are what `import skewadam_jax` does not
+  import (the analysis reads the table when it runs)."""
+  if name == 'TABLE':
+    return _table()
+  if name == 'RULES':
+    return _table().rules
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+NO_RULE = calls.no_rule  # (also `TABLE.no_rule`)
 
 # The jax version whose primitives (those `jax._src.lax` defines, with the AD, random and
 # control-flow ones) were last read against this table: each has a rule above or is in

@@ -21,19 +21,11 @@ from skewadam_jax.core.lazy import jex_core
 from skewadam_jax.core.lazy import source_info_util
 
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import findings as _f
 from skewadam_jax.structure.traced import info as _info
 
 Info = _info.Info
-
-# Calls whose body maps their operands one to one (jax's names across versions).
-ENTERED = ('jit', 'pjit', 'closed_call', 'core_call', 'remat', 'remat2', 'checkpoint',
-           'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'shard_map',
-           'custom_lin', 'named_call')
-# Calls whose body the analysis cannot see.
-OPAQUE = ('pallas_call', 'pure_callback', 'io_callback', 'custom_call', 'ffi_call',
-          'debug_callback')
-# Hijax primitives: one primitive whose `_prim` parameter (a `HiPrim`) says what it does.
-HIGH = ('call_hi_primitive',)
+Result = _f.Result
 
 
 def sub_jaxpr(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
@@ -51,13 +43,12 @@ def sub_jaxpr(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
   return None
 
 
-@_analysis.follows_bodies
-def call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """A call: its body's facts (one it cannot enter is an unknown primitive)."""
   sub = sub_jaxpr(eqn)
   if sub is None:
     return no_rule(an, eqn, ins)
-  return an.run(sub[0], ins, sub[1])
+  return Result(an.run(sub[0], ins, sub[1]))
 
 
 def expansion(eqn: Any) -> Union[tuple[Any, list[Any]], str]:
@@ -88,20 +79,19 @@ def expansion(eqn: Any) -> Union[tuple[Any, list[Any]], str]:
   return jaxpr, list(closed.consts)
 
 
-@_analysis.follows_bodies
-def hi_primitive(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
-  """A hijax primitive: the facts of its expansion (traced once per equation); one whose
-  expansion cannot be traced is read as a primitive with no rule."""
+def hi_primitive(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
+  """A hijax primitive: the facts of its expansion (traced once per equation, kept by
+  a `Memo`); one whose expansion cannot be traced is read as a primitive with no rule."""
   key = ('expansion', id(eqn))
-  if key not in an.memo:
-    an.memo[key] = expansion(eqn)
-  got = an.memo[key]
+  got = an.memo[key] if key in an.memo else expansion(eqn)
+  memo = [] if key in an.memo else [_f.Memo(key, got)]
   if isinstance(got, str):
-    return an.depend(eqn, ins, unreadable(an, eqn, ins, got))
-  return an.run(got[0], ins, got[1])
+    outs, found = unreadable(an, eqn, ins, got)
+    return Result(an.depend(eqn, ins, outs), [*found, *memo])
+  return Result(an.run(got[0], ins, got[1]), memo)
 
 
-def opaque_call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def opaque_call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """A call the analysis cannot enter (a Pallas kernel, a callback).
 
   When its integer operands carry a routing decision over E experts (group sizes or
@@ -111,36 +101,37 @@ def opaque_call(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   prim = eqn.primitive.name
   routed = frozenset().union(*(x.routed for x, v in zip(ins, eqn.invars)
                                if _info.is_integer(v)))
-  found = False
+  found: list[_f.Finding] = []
   for x in ins:
     for tokens in x.axes:
-      for leaf, axis in _info.params_of(tokens):
-        dec = an.latest(routed, an.shapes[leaf][axis])
+      for t in _info.params_of(tokens):
+        dec = an.latest(routed, an.shapes[t.leaf][t.axis])
         if dec is not None:
-          an.bank((leaf, axis), dec, f'an E-long operand axis of {prim}, whose integer '
-                  'operands are routed (read as a grouped matmul)')
-          found = True
+          found.append(_f.Bank(t, dec, f'an E-long operand axis of {prim}, whose integer '
+                               'operands are routed (read as a grouped matmul)'))
   if not found:
-    an.unseen(prim, ins)
+    found.append(_f.Unseen(prim, tuple(ins)))
   data, routed = _info.common(ins)
-  return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]
+  return Result([Info(_info.blank(len(_info.shape_of(v))).axes, data, routed)
+                 for v in eqn.outvars], found)
 
 
-@_analysis.follows_bodies
-def no_rule(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def no_rule(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """A primitive with no rule: a call whose body maps its operands is entered; any
   other makes the leaves whose flow crosses it undecided (the parameters on its
-  operands' axes and those its operands' values depend on)."""
+  operands' axes and those its operands' values depend on). It follows bodies: the
+  value facts are its body's, or settled here (`Analysis.depend`)."""
   sub = sub_jaxpr(eqn)
   if sub is not None:
-    return an.run(sub[0], ins, sub[1])
-  return an.depend(eqn, ins, unreadable(an, eqn, ins))
+    return Result(an.run(sub[0], ins, sub[1]))
+  outs, found = unreadable(an, eqn, ins)
+  return Result(an.depend(eqn, ins, outs), found)
 
 
-def unreadable(an: _analysis.Analysis, eqn: Any, ins: list[Info], why: str = ''
-               ) -> list[Info]:
-  """Records the leaves whose flow crosses an equation no rule can read (for the
-  warning and the undecided reasons); its outputs carry no parameter axis.
+def unreadable(an: _analysis.Analysis, eqn: Any, ins: list[Info], why: str = '') -> Result:
+  """An equation no rule can read: its outputs carry no parameter axis, and the leaves
+  whose flow crosses it are found `Unreadable` (for the warning and the undecided
+  reasons).
 
   Args:
     an: the analysis.
@@ -148,14 +139,9 @@ def unreadable(an: _analysis.Analysis, eqn: Any, ins: list[Info], why: str = ''
     ins: its operands' facts.
     why: why it cannot be read, beside the primitive's name ('' : it has no rule).
   """
-  prim, line = eqn.primitive.name, an.line(eqn)
-  if why:
-    prim = f'{prim} ({why})'
+  del an
   leaves = {leaf for x in ins for t in x.axes for leaf, _ in _info.params_of(t)}
   leaves |= {leaf for x in ins for leaf in x.deps}
-  an.unknown.setdefault((prim, line), set()).update(leaves)
-  for leaf in leaves:
-    an.opaque.setdefault(leaf, set()).add(f'{prim} (at {line}; no rule)' if not why
-                                          else f'{prim} (at {line})')
   data, routed = _info.common(ins)
-  return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]
+  return Result([Info(_info.blank(len(_info.shape_of(v))).axes, data, routed)
+                 for v in eqn.outvars], [_f.Unreadable(eqn, frozenset(leaves), why)])

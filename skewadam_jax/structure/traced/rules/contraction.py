@@ -16,30 +16,31 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import findings as _f
 from skewadam_jax.structure.traced import info as _info
+from skewadam_jax.structure.traced import primitives as _p
 
 Info = _info.Info
+Result = _f.Result
 
-# Matrix factorisations over the last two axes (batched over the others).
-FACTORISATIONS = ('cholesky', 'lu', 'qr', 'eigh', 'svd')
+_CONV = _p.find('jax._src.lax.convolution', 'conv_general_dilated_p')
 
 
-@_analysis.keeps_positions
-def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """Output axes: batch (both operands' tokens), then lhs free, then rhs free."""
   lhs, rhs = ins[0], ins[1]
   (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+  found: list[_f.Finding] = []
   for a, b in zip(lb, rb):
     why = 'batch dim of a dot_general with dispatched tokens'
-    an.meet(lhs.axes[a], rhs.axes[b], True, why)
-    an.meet(rhs.axes[b], lhs.axes[a], True, why)
+    found += [_f.Meet(lhs.axes[a], rhs.axes[b], True, why),
+              _f.Meet(rhs.axes[b], lhs.axes[a], True, why)]
   for a, b in zip(lc, rc):
     why = 'contracted with expert-indexed weights'
-    an.meet(lhs.axes[a], rhs.axes[b], False, why)
-    an.meet(rhs.axes[b], lhs.axes[a], False, why)
+    found += [_f.Meet(lhs.axes[a], rhs.axes[b], False, why),
+              _f.Meet(rhs.axes[b], lhs.axes[a], False, why)]
   for a, b in (*zip(lb, rb), *zip(lc, rc)):
-    an.near_routed(lhs.axes[a], rhs)
-    an.near_routed(rhs.axes[b], lhs)
+    found += [_f.NearRouted(lhs.axes[a], rhs), _f.NearRouted(rhs.axes[b], lhs)]
   # A parameter (its own values, not activations its axes reached) contracted with
   # activations: a layer's matrix, whose output is the last layer's until another.
   last = set()
@@ -49,11 +50,11 @@ def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
     kept = _matrix_axes(mine, dims, batch)
     if other.data:
       for d in dims:
-        an.used(kept[d], 'contracted', eqn)
+        found.append(_f.Used(kept[d], 'contracted', eqn))
         last |= {leaf for leaf, _ in _info.params_of(kept[d])}
     elif any(_info.params_of(other.axes[d]) for d in (lc if mine is rhs else rc)):
-      for d in dims:  # a learned input (a probe, a query) through this matrix
-        an.used(kept[d], 'contracted', eqn)
+      # a learned input (a probe, a query) through this matrix
+      found += [_f.Used(kept[d], 'contracted', eqn) for d in dims]
   # A batch dimension both of whose operands' axes come from parameters: per-slice
   # matrices on per-slice activations (a `vmap` over stacked layers lowered).
   axes = [lhs.axes[a] | rhs.axes[b] | (
@@ -62,7 +63,8 @@ def dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
   axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb]
   data, routed = _info.common(ins)
-  return [Info(tuple(axes), data, routed, last=frozenset(last) if last else None)]
+  return Result([Info(tuple(axes), data, routed, last=frozenset(last) if last else None)],
+                found)
 
 
 def _matrix_axes(mine: Info, dims: Any, batch: Any) -> tuple[frozenset, ...]:
@@ -75,22 +77,22 @@ def _matrix_axes(mine: Info, dims: Any, batch: Any) -> tuple[frozenset, ...]:
     return mine.axes
   owners = {leaf for t in free for leaf, _ in _info.params_of(t)}
   return tuple(t if i not in dims else frozenset(
-      x for x in t if not isinstance(x[0], int) or x[0] in owners)
+      x for x in t if not isinstance(x, _info.Param) or x.leaf in owners)
       for i, t in enumerate(mine.axes))
 
 
-def ragged_dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def ragged_dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`ragged_dot`: the rhs group axis, sized by routed group sizes, is a bank's."""
   lhs, rhs, sizes = ins[0], ins[1], ins[2]
   numbers = eqn.params['ragged_dot_dimension_numbers']
   (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
   groups = tuple(numbers.rhs_group_dimensions)
+  found: list[_f.Finding] = []
   for g in groups:
     n = _info.shape_of(eqn.invars[1])[g]
     dec = an.latest(sizes.routed, n)
-    for t in _info.params_of(rhs.axes[g]):
-      if an.shapes[t[0]][t[1]] == n:
-        an.bank(t, dec, 'group axis of a ragged_dot')
+    found += [_f.Bank(t, dec, 'group axis of a ragged_dot') for t in _info.params_of(rhs.axes[g])
+              if an.shapes[t.leaf][t.axis] == n]
   axes = [lhs.axes[a] | rhs.axes[b] for a, b in zip(lb, rb)]
   axes += [t for i, t in enumerate(lhs.axes) if i not in lc and i not in lb]
   axes += [t for i, t in enumerate(rhs.axes) if i not in rc and i not in rb
@@ -98,23 +100,23 @@ def ragged_dot_general(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> lis
   data, routed = _info.common(ins)
   if len(axes) != len(_info.shape_of(eqn.outvars[0])):
     axes = list(_info.blank(len(_info.shape_of(eqn.outvars[0]))).axes)
-  return [Info(tuple(axes), data, routed, last=_contracted(an, eqn, lhs, rhs, rc))]
+  last, used = _contracted(eqn, lhs, rhs, rc)
+  return Result([Info(tuple(axes), data, routed, last=last)], found + used)
 
 
-def _contracted(an: _analysis.Analysis, eqn: Any, lhs: Info, rhs: Info, dims: Any
-                ) -> Optional[frozenset]:
+def _contracted(eqn: Any, lhs: Info, rhs: Info, dims: Any
+                ) -> tuple[Optional[frozenset], list[_f.Finding]]:
   """A parameter's own values (`rhs`) contracted with activations (`lhs`) over `dims`:
-  recorded, and its leaves are the last layer's (None if not such a contraction)."""
+  its leaves are the last layer's (None if not such a contraction), and their use."""
   if not lhs.data or rhs.data:
-    return None
-  for d in dims:  # a convolution of the raw inputs (ViT's patches): an input layer
-    raw = not lhs.deps and eqn.primitive.name == 'conv_general_dilated'
-    an.used(rhs.axes[d], 'input' if raw else 'contracted', eqn)
+    return None, []
+  # a convolution of the raw inputs (ViT's patches): an input layer
+  use = 'input' if not lhs.deps and eqn.primitive in _CONV else 'contracted'
   last = frozenset(leaf for d in dims for leaf, _ in _info.params_of(rhs.axes[d]))
-  return last or None
+  return last or None, [_f.Used(rhs.axes[d], use, eqn) for d in dims]
 
 
-def conv_general_dilated(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def conv_general_dilated(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """A convolution: batch and positions from the input, output features from the
   kernel."""
   lhs, rhs = ins[0], ins[1]
@@ -125,10 +127,11 @@ def conv_general_dilated(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> l
   for o, i in zip(ospec[2:], lspec[2:]):  # positions (patches) from the input's positions
     axes[o] = lhs.axes[i]
   data, routed = _info.common(ins)
-  return [Info(tuple(axes), data, routed, last=_contracted(an, eqn, lhs, rhs, rspec[1:]))]
+  last, used = _contracted(eqn, lhs, rhs, rspec[1:])
+  return Result([Info(tuple(axes), data, routed, last=last)], used)
 
 
-def triangular_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def triangular_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`x = solve(a, b)` (`a x = b`, or `x a = b` without `left_side`): `b`'s shape.
 
   The leading axes of `a` and `b` are batch axes (joined, as a `dot_general`'s); `x`'s
@@ -144,24 +147,26 @@ def triangular_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[
   # solved axis along op(a)'s rows (x op(a) = b: the other way round).
   rows, cols = (n - 1, n - 2) if p['transpose_a'] else (n - 2, n - 1)
   outer, inner = (cols, rows) if p['left_side'] else (rows, cols)
-  axes = list(b.axes)
+  axes, found = list(b.axes), []
   for d in range(n - 2):
     why = 'batch dim of a triangular_solve with dispatched tokens'
-    an.meet(a.axes[d], b.axes[d], True, why)
-    an.meet(b.axes[d], a.axes[d], True, why)
+    found += [_f.Meet(a.axes[d], b.axes[d], True, why), _f.Meet(b.axes[d], a.axes[d], True, why)]
     axes[d] = a.axes[d] | b.axes[d]
   why = 'contracted with expert-indexed values (triangular_solve)'
-  an.meet(a.axes[inner], b.axes[solved], False, why)
-  an.meet(b.axes[solved], a.axes[inner], False, why)
-  an.near_routed(a.axes[inner], b)
-  an.near_routed(b.axes[solved], a)
+  found += [_f.Meet(a.axes[inner], b.axes[solved], False, why),
+            _f.Meet(b.axes[solved], a.axes[inner], False, why),
+            _f.NearRouted(a.axes[inner], b), _f.NearRouted(b.axes[solved], a)]
   axes[solved] = a.axes[outer]
   data, routed = _info.common(ins)
-  last = _contracted(an, eqn, b, a, (inner,)) or _contracted(an, eqn, a, b, (solved,))
-  return [Info(tuple(axes), data, routed, last=last)]
+  # `a` contracted with activations `b`, else `b` with activations `a` (both kept used)
+  last, used = _contracted(eqn, b, a, (inner,))
+  if last is None:
+    last, more = _contracted(eqn, a, b, (solved,))
+    used = used + more
+  return Result([Info(tuple(axes), data, routed, last=last)], found + used)
 
 
-def factorisation(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def factorisation(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`cholesky`, `lu`, `qr`, `eigh`, `svd`: each output keeps the operand's batch axes
   (all but its last two); its other axes carry no parameter axis (a factor mixes both
   axes of each matrix)."""
@@ -173,4 +178,4 @@ def factorisation(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Inf
     rank = len(_info.shape_of(v))
     axes = batch[:rank] + (_info.EMPTY,) * max(0, rank - len(batch))
     outs.append(Info(axes, x.data, x.routed))
-  return outs
+  return Result(outs)

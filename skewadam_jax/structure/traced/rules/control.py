@@ -14,9 +14,11 @@ from typing import Any, Callable
 from skewadam_jax.core.lazy import jex_core
 
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import findings as _f
 from skewadam_jax.structure.traced import info as _info
 
 Info = _info.Info
+Result = _f.Result
 
 
 def closed(sub: Any) -> tuple[Any, list[Any]]:
@@ -50,17 +52,15 @@ def _fixpoint(body: Callable[[list[Info]], list[Info]], carry: list[Info]) -> li
   return carry
 
 
-@_analysis.follows_bodies
-def scan(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def scan(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   p = eqn.params
   jaxpr, consts = closed(p['jaxpr'])
   nc, nk = _scan_groups(eqn)
   length = p['length']
   xs = ins[nc + nk:]
-  for x in xs:
-    if not x.data and x.axes:  # a stack of parameters: the scanned axis is a layer axis
-      for t in _info.params_of(x.axes[0]):
-        an.scans[t] = length
+  # a stack of parameters: the scanned axis is a layer axis
+  found = [_f.Scanned(t, length) for x in xs if not x.data and x.axes
+           for t in _info.params_of(x.axes[0])]
   sliced = [x._replace(axes=x.axes[1:], iota=None, columns=()) for x in xs]
   last: list[list[Info]] = []
 
@@ -70,12 +70,11 @@ def scan(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
 
   carry = _fixpoint(body, list(ins[nc:nc + nk]))
   ys = last[0][nk:]
-  return carry + [y._replace(axes=(_info.EMPTY,) + y.axes, iota=None, columns=())
-                  for y in ys]
+  return Result(carry + [y._replace(axes=(_info.EMPTY,) + y.axes, iota=None, columns=())
+                         for y in ys], found)
 
 
-@_analysis.follows_bodies
-def while_(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def while_(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   p = eqn.params
   cn, bn = p['cond_nconsts'], p['body_nconsts']
   cond_jaxpr, cond_consts = closed(p['cond_jaxpr'])
@@ -86,24 +85,23 @@ def while_(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
     an.run(cond_jaxpr, cconsts + carry, cond_consts)
     return an.run(body_jaxpr, bconsts + carry, body_consts)
 
-  return _fixpoint(body, list(ins[cn + bn:]))
+  return Result(_fixpoint(body, list(ins[cn + bn:])))
 
 
-@_analysis.follows_bodies
-def cond(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def cond(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   index, ops = ins[0], ins[1:]
   outs = None
   for branch in eqn.params['branches']:
     jaxpr, consts = closed(branch)
     got = an.run(jaxpr, ops, consts)
     outs = got if outs is None else [_info.join(a, b) for a, b in zip(outs, got)]
-  return [o._replace(data=o.data or index.data, routed=o.routed | index.routed,
-                     deps=o.deps | index.deps, free=o.free | index.free,
-                     open=o.open | index.open)
-          for o in outs or []]
+  return Result([o._replace(data=o.data or index.data, routed=o.routed | index.routed,
+                            deps=o.deps | index.deps, free=o.free | index.free,
+                            open=o.open | index.open)
+                 for o in outs or []])
 
 
-def linear_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def linear_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`custom_linear_solve`: the axes its `solve` body gives the right-hand side; the
   values depend on every operand (the matrix that `matvec` closes over too)."""
   lengths, jaxprs = eqn.params['const_lengths'], eqn.params['jaxprs']
@@ -112,6 +110,6 @@ def linear_solve(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info
   outs = an.run(jaxpr, ins[start:start + lengths.solve] + ins[sum(lengths):], consts)
   if len(outs) != len(eqn.outvars):
     data, routed = _info.common(ins)
-    return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed)
-            for v in eqn.outvars]
-  return outs
+    return Result([Info(_info.blank(len(_info.shape_of(v))).axes, data, routed)
+                   for v in eqn.outvars])
+  return Result(outs)

@@ -4,7 +4,7 @@ Indices that are a decision's expert ids make the axis they index expert-indexed
 parameter axis of length E gathered or dynamically sliced by them is a bank's expert
 axis, and the axis of a scatter's output they write along (`zeros([T, E]).at[arange(T),
 ids].set(w)`, combine weights placed by the ids) indexes the experts. Indices computed
-from a decision dispatch the tokens: the axes they produce carry `('d', dec)`.
+from a decision dispatch the tokens: the axes they produce carry `info.Dispatched(dec)`.
 """
 
 from __future__ import annotations
@@ -14,18 +14,13 @@ from typing import Any, Optional
 from skewadam_jax.core.lazy import jex_core
 
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import findings as _f
 from skewadam_jax.structure.traced import info as _info
-from skewadam_jax.structure.traced import units as _units
 from skewadam_jax.structure.traced.rules import shapes as _shapes
 
 Info = _info.Info
+Result = _f.Result
 EMPTY = _info.EMPTY
-
-# The scatter primitives (jax spells some with a dash, some with an underscore).
-SCATTERS = ('scatter', 'scatter-add', 'scatter_add', 'scatter-mul', 'scatter_mul',
-            'scatter-min', 'scatter_min', 'scatter-max', 'scatter_max', 'scatter_apply',
-            'scatter-sub', 'scatter_sub')
-
 
 def _index_ids(idx: Info, n: int) -> list[Optional[int]]:
   """Per position of an `n`-long index vector, the decision whose expert ids it holds."""
@@ -36,23 +31,22 @@ def _index_ids(idx: Info, n: int) -> list[Optional[int]]:
   return [None] * n
 
 
-def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   x, idx = ins[0], ins[1]
   dn = eqn.params['dimension_numbers']
   sizes = eqn.params['slice_sizes']
   src = _info.shape_of(eqn.invars[0])
+  found: list[_f.Finding] = []
   for axis, eid in zip(dn.start_index_map, _index_ids(idx, len(dn.start_index_map))):
     if eid is None and idx.eid is not None:
       eid = idx.eid  # several axes indexed by (broadcast) ids: each by the ids
     if eid is not None:
-      _units.meet(an, x.axes[axis], frozenset({('e', eid)}), False)  # joined units
+      found.append(_f.MeetUnits(x.axes[axis], frozenset({_info.Experts(eid)}), False))
       e = an.decision(eid).num_experts
-      for t in _info.params_of(x.axes[axis]):
-        if an.shapes[t[0]][t[1]] == e:
-          an.bank(t, eid, 'gathered by expert id')
+      found += [_f.Bank(t, eid, 'gathered by expert id') for t in _info.params_of(x.axes[axis])
+                if an.shapes[t.leaf][t.axis] == e]
   if idx.eid is None and not x.data:  # a table's rows read by token ids or positions
-    for axis in dn.start_index_map:
-      an.used(x.axes[axis], 'gathered', eqn)
+    found += [_f.Used(x.axes[axis], 'gathered', eqn) for axis in dn.start_index_map]
   out_shape = _info.shape_of(eqn.outvars[0])
   kept = [d for d in range(len(src)) if d not in dn.collapsed_slice_dims
           and d not in dn.operand_batching_dims]
@@ -62,7 +56,7 @@ def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   for p, d in zip(dn.offset_dims, kept):
     if sizes[d] == out_shape[p]:
       axes[p] = x.axes[d]
-  flags = frozenset(('d', d) for d in idx.routed)
+  flags = frozenset(_info.Dispatched(d) for d in idx.routed)
   pairs = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims))
   for p, d in zip(batch_pos, idx_dims):
     tokens = idx.axes[d] | flags
@@ -75,10 +69,10 @@ def gather(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
     # `jnp.repeat(arange(E), group_sizes)[i]`: reading the index along an E-long axis
     # at positions computed from a decision's choices yields that decision's ids.
     eid = an.latest(idx.routed, src[x.iota])
-  return [Info(tuple(axes), data, routed, eid)]
+  return Result([Info(tuple(axes), data, routed, eid)], found)
 
 
-def scatter(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def scatter(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """Every scatter (`.at[...].set/add/mul/min/max/apply`)."""
   x, idx, upd = ins[0], ins[1], ins[2]
   dn = eqn.params['dimension_numbers']
@@ -90,32 +84,33 @@ def scatter(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   shape = _info.shape_of(eqn.outvars[0])
   dims = dn.scatter_dims_to_operand_dims
   for d, eid in zip(dims, _index_ids(idx, len(dims))):
-    axes[d] = axes[d] | frozenset(('d', r) for r in idx.routed)
+    axes[d] = axes[d] | frozenset(_info.Dispatched(r) for r in idx.routed)
     if eid is not None and shape[d] == an.decision(eid).num_experts:
-      axes[d] = axes[d] | {('e', eid)}
+      axes[d] = axes[d] | {_info.Experts(eid)}
   data, routed = _info.common(ins)
-  return [Info(tuple(axes), data, routed)]
+  return Result([Info(tuple(axes), data, routed)])
 
 
-def dynamic_slice(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def dynamic_slice(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   x, starts = ins[0], ins[1:]
   axes = list(x.axes)
   src, dst = _info.shape_of(eqn.invars[0]), _info.shape_of(eqn.outvars[0])
+  found = []
   for axis, s in enumerate(starts):
     if s.eid is not None:
-      for t in _info.params_of(x.axes[axis]):
-        if an.shapes[t[0]][t[1]] == an.decision(s.eid).num_experts:
-          an.bank(t, s.eid, 'dynamically sliced by expert id')
+      e = an.decision(s.eid).num_experts
+      found += [_f.Bank(t, s.eid, 'dynamically sliced by expert id')
+                for t in _info.params_of(x.axes[axis]) if an.shapes[t.leaf][t.axis] == e]
     elif not s.data and not s.routed:  # a constant or a loop counter, not data
       var = eqn.invars[1 + axis]
       start = int(var.val) if isinstance(var, jex_core.Literal) else None
       axes[axis] = _shapes.width_one(axes[axis], src[axis], dst[axis], start)
   data, routed = _info.common(ins)
-  return [Info(tuple(axes), data, routed, x.eid)]
+  return Result([Info(tuple(axes), data, routed, x.eid)], found)
 
 
-def dynamic_update_slice(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def dynamic_update_slice(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   del an, eqn
   x, u = ins[0], ins[1]
   data, routed = _info.common(ins)
-  return [Info(tuple(a | b for a, b in zip(x.axes, u.axes)), data, routed)]
+  return Result([Info(tuple(a | b for a, b in zip(x.axes, u.axes)), data, routed)])

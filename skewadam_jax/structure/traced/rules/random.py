@@ -12,16 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import findings as _f
 from skewadam_jax.structure.traced import info as _info
 
 Info = _info.Info
 
-NAMES = ('random_seed', 'random_bits', 'random_split', 'random_fold_in', 'random_wrap',
-         'random_unwrap', 'random_clone', 'random_clone_p', 'threefry2x32')
 
-
-def key_op(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def key_op(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> _f.Result:
   """Every random-key primitive: outputs of their own shape, nothing on their axes."""
   del an
   data, routed = _info.common(ins)
-  return [Info(_info.blank(len(_info.shape_of(v))).axes, data, routed) for v in eqn.outvars]
+  return _f.Result([Info(_info.blank(len(_info.shape_of(v))).axes, data, routed)
+                    for v in eqn.outvars])

@@ -10,10 +10,10 @@ matrices) and remembered on the values computed from it, so that `stack` or a
 
 Values computed from separate leaves, stacked (one module per expert, each applied to
 the tokens: `stack([unit(x) for unit in modules])`), join those units along the new axis:
-position `p` remembers the leaves only it is computed from (a `('u', units)` token). The
-rules that keep positions where they are say so (`analysis.keeps_positions`); through
-any other (and through a reshape that merges or splits the axis, or a concatenation
-along it) the units are marked lost.
+position `p` remembers the leaves only it is computed from (an `info.Units` token). The
+primitives that keep positions where they are are listed in
+`analysis.Table.keeps_positions`; through any other (and through a reshape that merges
+or splits the axis, or a concatenation along it) the units are marked lost.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from typing import Any, Optional
 import numpy as np
 
 from skewadam_jax.structure.traced import analysis as _analysis
+from skewadam_jax.structure.traced import findings as _f
 from skewadam_jax.structure.traced import info as _info
 from skewadam_jax.structure.traced import units as _units
 
 Info = _info.Info
+Result = _f.Result
 EMPTY = _info.EMPTY
 
 
-@_analysis.keeps_positions
-def broadcast_in_dim(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def broadcast_in_dim(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   del an
   x, src = ins[0], _info.shape_of(eqn.invars[0])
   shape = _info.shape_of(eqn.outvars[0])
@@ -42,7 +43,7 @@ def broadcast_in_dim(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[
       axes[d] = x.axes[i]
   columns = x.columns if src and dims and dims[-1] == len(shape) - 1 else ()
   iota = dims[x.iota] if x.iota is not None else None
-  return [x._replace(axes=tuple(axes), iota=iota, columns=columns)]
+  return Result([x._replace(axes=tuple(axes), iota=iota, columns=columns)])
 
 
 def _split_tokens(tokens: frozenset, sizes: tuple[int, ...]) -> list[frozenset]:
@@ -50,25 +51,24 @@ def _split_tokens(tokens: frozenset, sizes: tuple[int, ...]) -> list[frozenset]:
   params = frozenset(_info.params_of(tokens))
   if not params:
     return [EMPTY] * len(sizes)
-  return [frozenset({('s', (params, sizes, k))}) for k in range(len(sizes))]
+  return [frozenset({_info.Split(params, sizes, k)}) for k in range(len(sizes))]
 
 
 def _merged_tokens(parts: list[frozenset], sizes: tuple[int, ...]) -> frozenset:
   """The parameter axes whose parts, split into `sizes`, are merged again in order."""
   found = EMPTY
-  for params, got, k in _info.flags(parts[0], 's'):
-    if k == 0 and got == sizes and all(('s', (params, sizes, i)) in t
-                                       for i, t in enumerate(parts)):
-      found = found | params
+  for s in _info.of_kind(parts[0], _info.Split):
+    if s.position == 0 and s.sizes == sizes and all(
+        _info.Split(s.params, sizes, i) in t for i, t in enumerate(parts)):
+      found = found | s.params
   return found
 
 
-@_analysis.keeps_positions
-def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   x = ins[0]
   src, dst = _info.shape_of(eqn.invars[0]), _info.shape_of(eqn.outvars[0])
   axes = [EMPTY] * len(dst)
-  iota = None
+  iota, found = None, []
   piece = _info.pieces(x)
   for gi, gj in _info.reshape_groups(src, dst):
     if len(gi) == 1 and len(gj) == 1:
@@ -78,12 +78,12 @@ def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
       # A merged or split axis is no parameter axis, but stays dispatched: the major
       # part of a split dispatched axis ([E * C] -> [E, C]) indexes the experts.
       flags = _info.lose_units(frozenset(t for i in gi for t in x.axes[i]
-                                         if not isinstance(t[0], int) and t[0] != 's'))
+                                         if not isinstance(t, (_info.Param, _info.Split))))
       if len(gj) == 1:
         # The merged axes are remembered, to be given back if split apart again; parts
         # of one split axis merged back in order are that axis again.
         parts = tuple((src[i], frozenset(_info.params_of(x.axes[i]))) for i in gi)
-        merged = {('m', parts)} if any(p for _, p in parts) else set()
+        merged = {_info.Merged(parts)} if any(p for _, p in parts) else set()
         axes[gj[0]] = flags | merged | _merged_tokens([x.axes[i] for i in gi],
                                                       tuple(src[i] for i in gi))
         continue
@@ -95,19 +95,20 @@ def reshape(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
         sizes = tuple(dst[j] for j in gj)
         for j, part in zip(gj, _split_tokens(x.axes[gi[0]], sizes)):
           axes[j] = axes[j] | part
-        for t in x.axes[gi[0]]:
-          if t[0] == 'm' and tuple(n for n, _ in t[1]) == sizes:
-            for j, (_, tokens) in zip(gj, t[1]):
+        for t in _info.of_kind(x.axes[gi[0]], _info.Merged):
+          if tuple(n for n, _ in t.parts) == sizes:
+            for j, (_, tokens) in zip(gj, t.parts):
               axes[j] = axes[j] | tokens
     elif gi:  # a size-1 axis dropped
-      an.taken_apart(x.axes[gi[0]])
+      found.append(_f.TakenApart(x.axes[gi[0]]))
       piece = piece | _piece_of(x.axes[gi[0]])
-  return [x._replace(axes=tuple(axes), iota=iota, piece=piece, columns=())]
+  return Result([x._replace(axes=tuple(axes), iota=iota, piece=piece, columns=())], found)
 
 
 def _piece_of(tokens: frozenset) -> frozenset:
   """The (leaf, axis, index) pieces a dropped width-1 axis held (at known indices)."""
-  return frozenset(t[1] for t in tokens if t[0] == '1' and t[1][2] is not None)
+  return frozenset((t.leaf, t.axis, t.start) for t in _info.of_kind(tokens, _info.Piece)
+                   if t.start is not None)
 
 
 def width_one(tokens: frozenset, before: int, after: int, start: Optional[int]) -> frozenset:
@@ -115,100 +116,97 @@ def width_one(tokens: frozenset, before: int, after: int, start: Optional[int]) 
   (None: at a loop counter)."""
   if after != 1 or before <= 1:
     return tokens
-  return tokens | {('1', (*t, start)) for t in _info.params_of(tokens)}
+  return tokens | {_info.Piece(t.leaf, t.axis, start) for t in _info.params_of(tokens)}
 
 
-@_analysis.keeps_positions
-def transpose(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def transpose(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   del an
   x, perm = ins[0], eqn.params['permutation']
   iota = perm.index(x.iota) if x.iota is not None else None
-  return [x._replace(axes=tuple(x.axes[p] for p in perm), iota=iota, columns=())]
+  return Result([x._replace(axes=tuple(x.axes[p] for p in perm), iota=iota, columns=())])
 
 
-@_analysis.keeps_positions
-def squeeze(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def squeeze(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   x = ins[0]
   ndim = len(x.axes)
   drop = {d % ndim for d in eqn.params['dimensions']}
   keep = [i for i in range(ndim) if i not in drop]
   piece = _info.pieces(x)
   for d in drop:
-    an.taken_apart(x.axes[d])
     piece = piece | _piece_of(x.axes[d])
-  return [x._replace(axes=tuple(x.axes[i] for i in keep), piece=piece, columns=(),
-                     iota=keep.index(x.iota) if x.iota in keep else None)]
+  return Result([x._replace(axes=tuple(x.axes[i] for i in keep), piece=piece, columns=(),
+                            iota=keep.index(x.iota) if x.iota in keep else None)],
+                [_f.TakenApart(x.axes[d]) for d in drop])
 
 
-def same_rank(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def same_rank(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`pad`, `rev`: every axis keeps its tokens; the values are no index any more."""
   del an, eqn
-  return [ins[0]._replace(iota=None, columns=())]
+  return Result([ins[0]._replace(iota=None, columns=())])
 
 
-def slice_(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def slice_(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   del an
   x, src, dst = ins[0], _info.shape_of(eqn.invars[0]), _info.shape_of(eqn.outvars[0])
   starts = eqn.params['start_indices']
-  return [x._replace(axes=tuple(width_one(*z) for z in zip(x.axes, src, dst, starts)),
-                     iota=None, columns=())]
+  return Result([x._replace(axes=tuple(width_one(*z) for z in zip(x.axes, src, dst, starts)),
+                            iota=None, columns=())])
 
 
-def split(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def split(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`jnp.split`: each piece keeps the operand's axes, as a slice does."""
   del an
   x, src, axis = ins[0], _info.shape_of(eqn.invars[0]), eqn.params['axis'] % len(ins[0].axes)
   starts = np.cumsum([0, *eqn.params['sizes']])
-  return [x._replace(axes=tuple(
+  return Result([x._replace(axes=tuple(
       width_one(t, src[a], _info.shape_of(v)[a], int(start)) if a == axis else t
       for a, t in enumerate(x.axes)), iota=None, columns=())
-          for v, start in zip(eqn.outvars, starts)]
+                 for v, start in zip(eqn.outvars, starts)])
 
 
-def unstack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def unstack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`jnp.unstack`: the axis is taken apart into its single pieces."""
   x, axis = ins[0], eqn.params['axis'] % len(ins[0].axes)
   axes = tuple(t for a, t in enumerate(x.axes) if a != axis)
-  outs = []
+  del an
+  outs, found = [], []
   for i in range(len(eqn.outvars)):
     tokens = width_one(x.axes[axis], 2, 1, i)
-    an.taken_apart(tokens)
+    found.append(_f.TakenApart(tokens))
     outs.append(x._replace(axes=axes, iota=None, columns=(),
                            piece=_info.pieces(x) | _piece_of(tokens)))
-  return outs
+  return Result(outs, found)
 
 
-def _regained(an: _analysis.Analysis, ins: list[Info]) -> set[tuple[int, int]]:
+def _regained(an: _analysis.Analysis, ins: list[Info]) -> set[_info.Param]:
   """Parameter axes of length n whose piece `i` the `i`-th of n operands is computed from
   (and no other piece of that axis)."""
   found = None
   for i, x in enumerate(ins):
-    here: dict[tuple[int, int], set[int]] = {}
+    here: dict[_info.Param, set[int]] = {}
     for leaf, axis, index in _info.pieces(x):
-      here.setdefault((leaf, axis), set()).add(index)
+      here.setdefault(_info.Param(leaf, axis), set()).add(index)
     mine = {k for k, v in here.items() if v == {i}}
     found = mine if found is None else found & mine
-  return {k for k in found or () if an.shapes[k[0]][k[1]] == len(ins)}
+  return {k for k in found or () if an.shapes[k.leaf][k.axis] == len(ins)}
 
 
 def _stacked(an: _analysis.Analysis, ins: list[Info], axes: list[frozenset], axis: int
-             ) -> list[Info]:
+             ) -> Result:
   """The output of stacking (or concatenating width-1 pieces) along `axis`."""
   regained = _regained(an, ins)
   axes[axis] = _info.lose_units(axes[axis]) | frozenset(regained)
   units = _units.joined(ins)
   if units:
-    axes[axis] = axes[axis] | {('u', units)}
-    an.joins = True
+    axes[axis] = axes[axis] | {_info.Units(units)}
   piece = frozenset(t for x in ins for t in _info.pieces(x) if t[:2] not in regained)
   data, routed = _info.common(ins)
   ids = {x.eid for x in ins}
-  return [Info(tuple(axes), data, routed, ids.pop() if len(ids) == 1 else None,
-               piece=piece)]
+  return Result([Info(tuple(axes), data, routed, ids.pop() if len(ids) == 1 else None,
+                      piece=piece)], [_f.Joins()] if units else [])
 
 
-@_analysis.keeps_positions
-def stack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def stack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`jnp.stack`: a new axis at `axis`, the operands' axes joined around it.
 
   The new axis is no parameter's own axis, unless the operands are computed from the
@@ -221,8 +219,7 @@ def stack(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
   return _stacked(an, ins, axes[:axis] + [EMPTY] + axes[axis:], axis)
 
 
-@_analysis.keeps_positions
-def concatenate(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def concatenate(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """A concatenated axis is no parameter's own axis (but see `stack`).
 
   Concatenated along the last axis, index columns (`[arange(T), ids]`) keep which of
@@ -234,27 +231,27 @@ def concatenate(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]
   for ax in range(len(shape)):
     tokens = frozenset().union(*(x.axes[ax] for x in ins))
     if ax == dim:
-      tokens = _info.lose_units(frozenset(t for t in tokens if not isinstance(t[0], int)))
+      tokens = _info.lose_units(_info.without_params(tokens))
     axes.append(tokens)
   widths = [_info.shape_of(v)[dim] for v in eqn.invars]
   if all(w == 1 for w in widths):
-    out = _stacked(an, ins, axes, dim)
+    out, found = _stacked(an, ins, axes, dim)
   else:
     data, routed = _info.common(ins)
     ids = {x.eid for x in ins}
-    out = [Info(tuple(axes), data, routed, ids.pop() if len(ids) == 1 else None)]
+    out, found = [Info(tuple(axes), data, routed, ids.pop() if len(ids) == 1 else None)], ()
   if dim == len(shape) - 1:
     columns = [c for x, w in zip(ins, widths)
                for c in (x.columns if len(x.columns) == w else (x.eid,) * w)]
     if any(c is not None for c in columns):
       out = [out[0]._replace(columns=tuple(columns))]
-  return out
+  return Result(out, found)
 
 
-def tile(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> list[Info]:
+def tile(an: _analysis.Analysis, eqn: Any, ins: list[Info]) -> Result:
   """`jnp.tile`: a repeated axis is no parameter's own axis, as if concatenated."""
   del an
   x = ins[0]
-  axes = [t if r == 1 else frozenset(u for u in t if not isinstance(u[0], int))
+  axes = [t if r == 1 else _info.without_params(t)
           for t, r in zip(x.axes, eqn.params['reps'])]
-  return [x._replace(axes=tuple(axes), iota=None, eid=None, columns=())]
+  return Result([x._replace(axes=tuple(axes), iota=None, eid=None, columns=())])

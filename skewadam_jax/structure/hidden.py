@@ -34,19 +34,17 @@ Only paths and shapes are used, so `init` and `update` see the same labels.
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from typing import Any, Optional, Sequence
 
 from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.structure import axes as _axes
-from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
-from skewadam_jax.structure import rules as _rules
+from skewadam_jax.structure import vocabulary as _vocabulary
 from skewadam_jax.structure import warning as _warning
+from skewadam_jax.structure.vocabulary import DEFAULT_TIER
+from skewadam_jax.structure.vocabulary import HIDDEN
 
-HIDDEN_TIER = 'hidden'
 # Path segments (case-insensitive globs) that name an embedding or an output head.
 EMBEDDING_PATTERNS = ('*embed*', 'wte', 'wpe', 'lm_head', '*vocab*', '*logits*')
 # A leaf's own module (case-insensitive globs) that names an output head. Only its own:
@@ -62,15 +60,13 @@ BLOCK_PATTERNS = ('*attn*', '*attention*', '*mlp*', '*ffn*', '*ffw*', '*feed_for
 PROJECTION_NAMES = ('wq', 'wk', 'wv', 'wo', 'wqkv', 'query', 'key', 'value')
 # The names a module gives its own matrix: the module is the segment before them.
 _PARAM_NAMES = ('kernel', 'weight', 'w', 'embedding')
-# A numbered sibling: a list index (`layers/0`) or a numbered module (`block_0`).
-_NUMBERED = re.compile(r'^(?:(.*)_)?\d+$')
 # Unsure leaves named in the warning line; the others are counted (a leaf the warning
 # does not name is not reported: a generated ViT with random names has ~20).
 _SHOWN = 64
 
 
 def _matches(segment: str, patterns: Sequence[str]) -> bool:
-  return any(fnmatch.fnmatchcase(segment, p) for p in patterns)
+  return any(_paths.match_path(p, (segment,)) for p in patterns)
 
 
 def _named_embedding(segs: tuple[str, ...]) -> bool:
@@ -92,12 +88,12 @@ def _per_channel_filter(leaf: _paths.Leaf, core: tuple[int, ...]) -> bool:
     return False
   if len(core) < 3:
     return True  # [C, k] or [k, C]: one tap axis, one channel axis
-  return leaf.shape[core[1] if leaf.segs[-1] == 'weight' else core[-2]] == 1
+  return leaf.shape[core[1] if _vocabulary.is_torch_layout(leaf.segs) else core[-2]] == 1
 
 
 def _unnumbered(segment: str) -> str:
   """`#` for a list index, `block_#` for `block_3`: what numbered siblings share."""
-  found = _NUMBERED.match(segment)
+  found = _vocabulary.NUMBERED_SIBLING.match(segment)
   if found is None:
     return segment
   return '#' if found.group(1) is None else f'{found.group(1)}_#'
@@ -117,7 +113,7 @@ def _repeated(leaves: list[_paths.Leaf]) -> list[bool]:
 def _reading(leaf: _paths.Leaf, repeated: bool) -> Optional[bool]:
   """True: a hidden matrix; False: not one; None: names and shapes cannot tell."""
   batch = tuple(sorted(leaf.axes or ()))
-  if not _orthogonal.has_matrix(leaf.shape, batch) or _kernels.is_vector(leaf.segs):
+  if not _orthogonal.has_matrix(leaf.shape, batch) or _vocabulary.is_vector(leaf.segs):
     return False
   core = tuple(a for a in range(len(leaf.shape)) if a not in leaf.scan)
   if _per_channel_filter(leaf, core) or _named_embedding(leaf.segs):
@@ -163,14 +159,14 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
   out, unsure = [], []
   flat = treedef.flatten_up_to(labels)
   biases = _general_biases([x for x, label in zip(leaves, flat)
-                            if label == _rules.DEFAULT_TIER], leaves)
+                            if label == DEFAULT_TIER], leaves)
   for i, (leaf, label, again) in enumerate(zip(leaves, flat, _repeated(leaves))):
     hidden = None
-    if label == _rules.DEFAULT_TIER:
+    if label == DEFAULT_TIER:
       hidden = False if i in biases else _reading(leaf, again)
       if hidden is None:
         unsure.append(leaf)
-    out.append(HIDDEN_TIER if hidden else label)
+    out.append(HIDDEN if hidden else label)
   if unsure:
     _warning.report([_unsure_line(unsure)], strict=False)
   return treedef.unflatten(out)

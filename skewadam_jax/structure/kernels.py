@@ -1,10 +1,11 @@
-"""Router kernels by shape, and the layer axis they reveal in a stack of MoE layers.
+"""The layer axis that router kernels reveal in a stack of MoE layers.
 
 A router kernel maps the model width d to the expert count E: [d, E], or [E, d] in
-PyTorch's `weight` layout. A bank of E experts holds E matrices that each read or write
-d: [E, d, f], [E, f, d]. Stacking MoE layers (a scan over L layers) puts one more axis
-of length L on every leaf of the layer: the router becomes [L, d, E], the bank
-[L, E, d, f], the attention and norm weights beside them [L, d, d] and [L, d].
+PyTorch's `weight` layout (`vocabulary.router_count`). A bank of E experts holds E
+matrices that each read or write d: [E, d, f], [E, f, d]. Stacking MoE layers (a scan
+over L layers) puts one more axis of length L on every leaf of the layer: the router
+becomes [L, d, E], the bank [L, E, d, f], the attention and norm weights beside them
+[L, d, d] and [L, d].
 
 So a group of leaves that share one axis length at one position is a stack of layers,
 not a bank, when, with that axis taken away, the group still holds a router and its
@@ -19,29 +20,15 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from skewadam_jax.structure import paths as _paths
-
-# Router leaves that do not carry the expert count on a kernel axis.
-NOT_KERNEL = ('bias', 'scale')
-
-
-def router_count(core: Sequence[int], torch_layout: bool, dims: set[int]
-                 ) -> Optional[int]:
-  """E if a kernel of core shape `core` maps an axis in `dims` to E outputs, else None."""
-  if len(core) != 2:
-    return None
-  count, other = (core[0], core[1]) if torch_layout else (core[1], core[0])
-  return count if other in dims and other != count else None
-
-
-def is_vector(segs: Sequence[str]) -> bool:
-  """Whether a leaf is named like a vector (a scale or a bias), not a kernel."""
-  return any(s in segs[-1] for s in NOT_KERNEL)
+from skewadam_jax.structure import vocabulary as _vocabulary
+from skewadam_jax.structure.vocabulary import EXPERTS
+from skewadam_jax.structure.vocabulary import ROUTER
 
 
 def may_route(i: int, tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]
               ) -> bool:
   """Whether leaf `i` may be a router: undecided, or labelled `router`."""
-  return tiers[i] in (None, 'router') and not (decided_by_name[i] and tiers[i] != 'router')
+  return tiers[i] in (None, ROUTER) and not (decided_by_name[i] and tiers[i] != ROUTER)
 
 
 def moe_layer_axis(members: Sequence[int], positions: Sequence[int],
@@ -55,12 +42,13 @@ def moe_layer_axis(members: Sequence[int], positions: Sequence[int],
     cores = {i: [shapes[i][q] for q in range(len(shapes[i])) if q != p and q not in scan[i]]
              for i in members}
     banks = [i for i in members if len(cores[i]) >= 3 and not (
-        decided_by_name[i] and tiers[i] not in (None, 'experts'))]
+        decided_by_name[i] and tiers[i] not in (None, EXPERTS))]
     for r in members:
-      if not may_route(r, tiers, decided_by_name) or is_vector(segs[r]):
+      if not may_route(r, tiers, decided_by_name) or _vocabulary.is_vector(segs[r]):
         continue
       for b in banks:
-        e = router_count(cores[r], segs[r][-1] == 'weight', set(cores[b][1:]))
+        e = _vocabulary.router_count(cores[r], _vocabulary.is_torch_layout(segs[r]),
+                                      set(cores[b][1:]))
         if b != r and e is not None and e >= 2 and e == cores[b][0]:
           return p
   return None
@@ -81,7 +69,7 @@ def sibling_stacks(segs: Sequence[_paths.Segments], shapes: Sequence[Optional[tu
   """
   arrays = [i for i, s in enumerate(shapes) if s is not None and not scan[i]]
   # A stacked router has >= 3 axes: only the modules above one, and its axes, are tried.
-  routers = [i for i in arrays if len(shapes[i]) >= 3 and not is_vector(segs[i])
+  routers = [i for i in arrays if len(shapes[i]) >= 3 and not _vocabulary.is_vector(segs[i])
              and may_route(i, tiers, decided_by_name)]
   modules = sorted({segs[r][:k] for r in routers for k in range(len(segs[r]))}, key=len)
   found = []

@@ -54,9 +54,9 @@ from skewadam_jax.structure import shapes as _shapes
 from skewadam_jax.structure import stacks as _stacks
 from skewadam_jax.structure import unsure as _unsure
 from skewadam_jax.structure import warning as _warning
+from skewadam_jax.structure.vocabulary import DEFAULT_TIER
 
 Rule = _rules.Rule
-DEFAULT_TIER = _rules.DEFAULT_TIER
 
 
 class Labeler:

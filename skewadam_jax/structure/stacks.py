@@ -55,17 +55,12 @@ ever reported, never labelled.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Optional, Sequence
 
 from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
-
-# Modules that hold scanned (stacked) layers when they are not followed by an index.
-SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
-# One numbered unit: a list / tuple / `nnx.List` index or dict key ('0', '1', ...), or
-# `<stem>_<i>` with any stem (no leading zeros, so that each index is one unit).
-_NUMBERED_UNIT = re.compile(r'^(?:(?P<stem>.+?)_)?(?P<idx>0|[1-9][0-9]*)$')
+from skewadam_jax.structure import vocabulary as _vocabulary
+from skewadam_jax.structure.vocabulary import EXPERTS
 
 
 @dataclasses.dataclass
@@ -104,7 +99,7 @@ class Structure:
 def _named(prefix: tuple[str, ...], segs: Sequence[tuple[str, ...]], members: list[int]
            ) -> bool:
   """Whether `prefix` ends in a scan module name not followed by a numbered module."""
-  if not SCAN_SEGMENT.match(prefix[-1]):
+  if not _vocabulary.SCAN_MODULE.match(prefix[-1]):
     return False
   return not any(segs[i][len(prefix)].isdigit() for i in members)
 
@@ -172,7 +167,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
     ndim = min(len(shapes[i]) for i, _ in body)
     common = [p for p in range(ndim) if p not in known and shapes[first][p] > 1
               and len({shapes[i][p] for i, _ in body}) == 1
-              and all(p != f[-1] or (len(f) == 2 and _kernels.is_vector(segs[i]))
+              and all(p != f[-1] or (len(f) == 2 and _vocabulary.is_vector(segs[i]))
                       for i, f in body)]
     lengths = {shapes[i][f[0]] for i, f in zip(members, free) if i in vectors}
     if vectors:
@@ -181,7 +176,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
       continue
     inside = set(members)
     outside = [i for i in arrays if i not in inside]
-    if all(tiers[i] == 'experts' for i in members):
+    if all(tiers[i] == EXPERTS for i in members):
       seen.add(key)  # a bank by its names: its expert axis is the experts tier's
       continue
     layer = None if vectors else _kernels.moe_layer_axis(members, common, segs, shapes,
@@ -190,7 +185,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
       seen.add(key)
       _stack(groups, scan, prefix, members, layer, shapes, named=False)
       continue
-    dense_by_name = all(decided_by_name[i] and tiers[i] not in (None, 'experts')
+    dense_by_name = all(decided_by_name[i] and tiers[i] not in (None, EXPERTS)
                         for i in members)
     # A stack of layers holds several modules (norms, attention, MLP); the leaves of one
     # module sharing a length (w [4, d, f], b [4, f]) may as well be a bank whose router
@@ -275,12 +270,12 @@ def _sibling_banks(groups: list[Group], segs: Sequence[tuple[str, ...]],
     by_length: dict[int, list[int]] = {}
     for i in children:
       free = _paths.core_axes(shapes[i], scan[i])
-      if len(free) >= 2 and not (decided_by_name[i] and tiers[i] != 'experts'):
+      if len(free) >= 2 and not (decided_by_name[i] and tiers[i] != EXPERTS):
         by_length.setdefault(shapes[i][free[0]], []).append(i)
     for n, members in by_length.items():
       if n < 2 or all(len(_paths.core_axes(shapes[i], scan[i])) < 3 for i in members):
         continue
-      if all(tiers[i] == 'experts' for i in members):
+      if all(tiers[i] == EXPERTS for i in members):
         continue  # a bank by its names: the name-based structure reads it
       dims = {shapes[i][q] for i in members for q in _paths.core_axes(shapes[i], scan[i])[1:]}
       inside = set(members)
@@ -338,7 +333,7 @@ def numbered_units(segs: Sequence[tuple[str, ...]],
     if shapes[i] is None:
       continue
     for k, seg in enumerate(s):
-      m = _NUMBERED_UNIT.match(seg)
+      m = _vocabulary.NUMBERED_UNIT.match(seg)
       if m:
         key = (s[:k], m['stem'] or '')
         families.setdefault(key, {}).setdefault(int(m['idx']), []).append(i)
@@ -397,6 +392,7 @@ def _kernels_mapping(area: tuple[str, ...], n: int, dims: set[int], candidates: 
                      ) -> list[int]:
   """Of `candidates`, the kernels under the module `area` that map an axis length in
   `dims` to `n` outputs: [d, n] (or [n, d] for a PyTorch `weight`)."""
-  return [i for i in candidates if segs[i][:len(area)] == area and not _kernels.is_vector(segs[i])
-          and _kernels.router_count(_paths.core_shape(shapes[i], scan[i]), segs[i][-1] == 'weight',
-                           dims) == n]
+  return [i for i in candidates if segs[i][:len(area)] == area
+          and not _vocabulary.is_vector(segs[i]) and _vocabulary.router_count(
+              _paths.core_shape(shapes[i], scan[i]), _vocabulary.is_torch_layout(segs[i]),
+              dims) == n]

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure import rules as _rules
 from skewadam_jax.structure import stacks as _stacks
+from skewadam_jax.structure import vocabulary as _vocabulary
+from skewadam_jax.structure.vocabulary import BACKBONE
+from skewadam_jax.structure.vocabulary import EXPERTS
+from skewadam_jax.structure.vocabulary import ROUTER
 
 
 _RANKED_APART = 3  # rank >= 3 leaves in the default tier reported one line each
@@ -43,7 +46,7 @@ def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
   found = _stacks.numbered_units(
       [x.segs for x in leaves], [x.shape if x.is_array else None for x in leaves],
       [x.scan for x in leaves], [free(x) for x in leaves],
-      [free(x) or x.tier == 'router' for x in leaves])
+      [free(x) or x.tier == ROUTER for x in leaves])
   by_routers: dict[tuple[int, ...], list[_stacks.Units]] = {}
   for family in found:
     by_routers.setdefault(tuple(family.routers), []).append(family)
@@ -65,7 +68,7 @@ def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
                 if x.segs[:-1] == module and free(x) and (own or x.core == (n,))
                 and j not in inside and j not in routers and j not in along]
     tier = leaves[members[0]].tier
-    label = [(p, 'experts') for p in patterns] + [(p, 'router') for p in router_rules]
+    label = [(p, EXPERTS) for p in patterns] + [(p, ROUTER) for p in router_rules]
     confirm = [(p, tier) for p in patterns]
     shown = ', '.join(f'{leaves[r].path} {list(leaves[r].shape)}' for r in routers)
     if along:
@@ -110,12 +113,12 @@ def _router_inputs(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
   lines = []
   for router in leaves:
     core = router.core
-    if router.tier != 'router' or len(core) != 2 or _kernels.is_vector(router.segs):
+    if router.tier != ROUTER or len(core) != 2 or _vocabulary.is_vector(router.segs):
       continue
     module = router.segs[:-1]
-    if not any(x.tier == 'experts' and x.segs[:-1] == module for x in leaves):
+    if not any(x.tier == EXPERTS and x.segs[:-1] == module for x in leaves):
       continue  # the bank has a module of its own: the block's vectors are its norms
-    d = core[1] if router.segs[-1] == 'weight' else core[0]
+    d = _vocabulary.kernel_sides(core, _vocabulary.is_torch_layout(router.segs))[1]
     for leaf in leaves:
       if leaf.segs[:-1] != module or leaf.source != 'default' or leaf.core != (d,) or (
           leaf.note or (use_axis_names and leaf.names_well_formed)):
@@ -125,7 +128,7 @@ def _router_inputs(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
                 f'name tells apart; left in {leaf.tier!r} by default')
       leaf.note = f'UNSURE: {reason}'
       lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it scales the '
-                   f"router's input, label it: {_rule_hint(leaf.path, 'router')}, or "
+                   f"router's input, label it: {_rule_hint(leaf.path, ROUTER)}, or "
                    f'confirm it: {_rule_hint(leaf.path, leaf.tier)}')
   return lines
 
@@ -139,10 +142,10 @@ def _bias_or_scale(leaves: list[_paths.Leaf]) -> list[str]:
   found: list[tuple[_paths.Leaf, _paths.Leaf]] = []
   for router in leaves:
     core = router.core
-    if router.tier != 'router' or len(core) != 2 or _kernels.is_vector(router.segs):
+    if router.tier != ROUTER or len(core) != 2 or _vocabulary.is_vector(router.segs):
       continue
-    module, e = router.segs[:-1], min(core)
-    if not any(x.tier == 'experts' and x.segs[:-1] == module and len(x.core) >= 2
+    module, e = router.segs[:-1], _vocabulary.expert_count(core)
+    if not any(x.tier == EXPERTS and x.segs[:-1] == module and len(x.core) >= 2
                and x.core[0] == e for x in leaves):
       continue  # the bank has a module of its own: a vector [E] here is the router's
     for leaf in leaves:
@@ -155,7 +158,7 @@ def _bias_or_scale(leaves: list[_paths.Leaf]) -> list[str]:
   if not found:
     return []
   leaf, router = found[0]
-  other = 'experts' if leaf.tier == 'router' else 'router'
+  other = EXPERTS if leaf.tier == ROUTER else ROUTER
   shown = ', '.join(f'{x.path} {list(x.shape)} ({x.tier})' for x, _ in found)
   return [f'{shown}: vectors [E] beside a router kernel [d, E] ({router.path}, ...) and '
           "the leaves of its bank in one module: the router's selection bias or a "
@@ -172,7 +175,7 @@ def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
   it keeps it and is reported, with the rules that settle it."""
   banks: dict[tuple[str, ...], list[_paths.Leaf]] = {}
   for leaf in leaves:
-    if leaf.tier == 'experts' and leaf.source == 'structure' and leaf.count:
+    if leaf.tier == EXPERTS and leaf.source == 'structure' and leaf.count:
       banks.setdefault(leaf.unit, []).append(leaf)
   lines = []
   for members in banks.values():
@@ -195,7 +198,7 @@ def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
                 f'== E)')
       leaf.note = f'UNSURE: {reason}'
       lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it is dense, label it: '
-                   f"{_rule_hint(leaf.path, 'backbone')}, or confirm it: "
+                   f"{_rule_hint(leaf.path, BACKBONE)}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
   return lines + _doubtful_banks(leaves)
 
@@ -209,17 +212,17 @@ def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
   found below its module (`{router, experts: [...], wo [E, hd, d]}`: one router, one
   bank). No shape tells; every such leaf keeps its guess and is reported."""
   widest = max((x.core[0] for x in leaves if len(x.core) == 1 and x.tier not in (
-      'experts', 'router')), default=None)
+      EXPERTS, ROUTER)), default=None)
   modules: dict[tuple[str, ...], list[_paths.Leaf]] = {}
   for leaf in leaves:
-    if leaf.tier in ('experts', 'router') and leaf.source == 'structure':
+    if leaf.tier in (EXPERTS, ROUTER) and leaf.source == 'structure':
       modules.setdefault(leaf.segs[:-1], []).append(leaf)
   lines = []
   for module, members in modules.items():
-    counts = {x.count for x in members if x.tier == 'experts' and x.count}
+    counts = {x.count for x in members if x.tier == EXPERTS and x.count}
     # (a bank the names found below this module: its router serves that one)
     # (or numbered units reported beside a router candidate, which may be that bank)
-    named = any((x.tier == 'experts' and x.source != 'structure' or x.note.startswith(
+    named = any((x.tier == EXPERTS and x.source != 'structure' or x.note.startswith(
         'UNSURE: one of')) and len(x.segs) > len(module) + 1
         and x.segs[:len(module)] == module for x in leaves)
     if len(counts) < 2 and not (counts and widest and max(counts) >= widest) and not (
@@ -236,7 +239,7 @@ def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
           f"beside a router candidate, read from shapes alone in {'/'.join(module)}: "
           'at most one is a bank, and E < d (a length shared by coincidence reads as '
           'another), which no shape tells; labelled as shown; label the dense ones, e.g. '
-          f"{_rule_hint(found[0].path, 'backbone')}")
+          f"{_rule_hint(found[0].path, BACKBONE)}")
   return lines
 
 
@@ -264,30 +267,30 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
       leaf.note = f'UNSURE: {reason}'
       ranked.append(leaf)
       lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
-                   f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
+                   f"{_rule_hint(leaf.path, EXPERTS)}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
     # An expert axis name where the shape agrees (a router maps to its length): a bank
     # that a dense name (`ffn`) or the default left in another tier. Never on a leaf a
     # rule names (`*embed*`, `*attn*`): sharding names are hints, not structure.
     axis = _rules.confirmed_expert_axis(leaf, counts)
-    if axis is not None and leaf.tier not in ('experts', 'router') and leaf.source not in (
+    if axis is not None and leaf.tier not in (EXPERTS, ROUTER) and leaf.source not in (
         'rule', 'default rule'):
       reason = f'axis {axis} is named {leaf.names[axis]!r} but the leaf is {leaf.tier!r}'
       leaf.note = f'UNSURE: {reason}'
-      lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, 'experts')}, or "
+      lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, EXPERTS)}, or "
                    'pass param_labels=sj.moe_param_labels(params, use_axis_names=True)')
   if len(ranked) > _RANKED_APART:  # one line naming them all (the warning shows 10 lines)
     lines = [x for x in lines if not any(x.startswith(f'{y.path} [') for y in ranked)]
     lines.append(f"{', '.join(f'{x.path} {list(x.shape)}' for x in ranked)}: rank >= 3 "
                  f"leaves left in {ranked[0].tier!r} by default (no rule or structure says "
                  "what they are); if one is an expert bank, label it, e.g. "
-                 f"{_rule_hint(ranked[0].path, 'experts')}, or confirm it: "
+                 f"{_rule_hint(ranked[0].path, EXPERTS)}, or confirm it: "
                  f'{_rule_hint(ranked[0].path, ranked[0].tier)}')
-  routers = [x for x in leaves if x.tier == 'router']
-  experts = [x for x in leaves if x.tier == 'experts']
+  routers = [x for x in leaves if x.tier == ROUTER]
+  experts = [x for x in leaves if x.tier == EXPERTS]
   for mine, others, what, missing, hint in (
-      (experts, routers, 'experts', 'router', '<router module>'),
-      (routers, experts, 'router', 'experts', '<expert bank>')):
+      (experts, routers, EXPERTS, ROUTER, '<router module>'),
+      (routers, experts, ROUTER, EXPERTS, '<expert bank>')):
     guessed = [x for x in mine if x.source != 'rule']
     if not guessed or others:
       continue
@@ -298,5 +301,5 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
     more = f' and {len(guessed) - 5} more' if len(guessed) > 5 else ''
     lines.append(f'{shown}{more}: {reason}; label the {missing} with a rule, e.g. '
                  f'{_rule_hint(hint, missing)}, or these leaves, e.g. '
-                 f"{_rule_hint(guessed[0].path, 'backbone')}")
+                 f"{_rule_hint(guessed[0].path, BACKBONE)}")
   return lines

@@ -94,10 +94,10 @@ axis), `decide` (findings to tiers) and `api` (`trace_structure`).
 
 from skewadam_jax.structure.traced.api import TraceWarning
 from skewadam_jax.structure.traced.api import trace_structure
-from skewadam_jax.structure.traced.results import BACKBONE
-from skewadam_jax.structure.traced.results import EXPERTS
+from skewadam_jax.structure.vocabulary import BACKBONE
+from skewadam_jax.structure.vocabulary import EXPERTS
 from skewadam_jax.structure.traced.results import LeafStructure
-from skewadam_jax.structure.traced.results import ROUTER
+from skewadam_jax.structure.vocabulary import ROUTER
 from skewadam_jax.structure.traced.results import RoutingDecision
 from skewadam_jax.structure.traced.results import Structure
 

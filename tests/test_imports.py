@@ -5,8 +5,9 @@ layer or the layers below (`LAYERS`, bottom first):
 
 * `core`: pytree helpers, argument checks, XLA facts;
 * `estimators`: what a tier remembers (second-moment estimators, their geometry);
-* `structure`: what each parameter is (paths, boxes, name rules, shapes, labels, unsure
-  reports, stacks, batch axes, the traced analysis);
+* `structure`: what each parameter is (its vocabulary of tiers and roles, paths, boxes,
+  name rules, shape rules, stacks, unsure reports, labels, batch axes, the traced
+  analysis);
 * `transforms`: how a tier steps (`Tier`, `scale_by_tiers`, AdamPM, the aliases);
 * `reports`: what a user sees (traced `init`, label table, memory report);
 * `integrations`: sharding specs, Orbax checkpoints.

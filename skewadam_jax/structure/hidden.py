@@ -51,7 +51,7 @@ EMBEDDING_PATTERNS = ('*embed*', 'wte', 'wpe', 'lm_head', '*vocab*', '*logits*')
 # `output` is also a module of BERT's attention and MLP blocks (`output/dense`).
 HEAD_PATTERNS = ('head', '*_head', 'output', 'classifier')
 # Path segments of the blocks whose matrices are hidden: attention and MLP blocks, shared
-# experts (the dense modules of `rules.DEFAULT_RULES` and `rules.DENSE_RULES`) and the
+# experts (the dense modules of `name_rules.DEFAULT_RULES` and `name_rules.DENSE_RULES`) and the
 # projections in them (`q_proj`, `down_proj`, `out_proj`, GPT-2's `c_proj`).
 BLOCK_PATTERNS = ('*attn*', '*attention*', '*mlp*', '*ffn*', '*ffw*', '*feed_forward*',
                   '*feedforward*', '*shared_expert*', '*_proj', 'pre_logits', 'prelogits')
@@ -194,6 +194,6 @@ def _unsure_line(leaves: list[_paths.Leaf]) -> str:
           'block: a hidden matrix, or an embedding or output layer that Muon must not '
           "orthogonalise, which names and shapes cannot tell apart; labelled 'backbone' "
           "(the Adam-like rule, safe for either), not hidden; if one is a hidden matrix, "
-          f"label it: sj.make_labeler([({leaves[0].path!r}, 'hidden')]) (in "
+          f"label it: sj.make_labeler([({leaves[0].path!r}, {HIDDEN!r})]) (in "
           'sj.hidden_param_labels, as below), or give the trace below with your policy, '
           'which reads every one from the computation')

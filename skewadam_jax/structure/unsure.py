@@ -7,14 +7,22 @@ router's input scale; a router bias or a per-expert scale), an expert axis name
 that the shape confirms on a leaf of another tier, experts without a router or a router
 without experts), with the rules that settle each; `warning.report` turns them into one
 `UnsureLabelWarning` per call (or a `ValueError` when strict).
+
+A bank may also be kept as separate leaves, one unit per expert (`numbered_units`):
+n >= 2 sibling units indexed 0..n-1 (list, tuple or `nnx.List` indices, dict keys '0',
+'1', ..., or `<stem>_0 .. <stem>_{n-1}`), of identical structure and shapes, beside a
+router candidate that maps a width all their matrices share to n outputs. Unrolled dense
+layers beside an unrelated [d, n] kernel look exactly the same, so that reading is only
+ever reported, never labelled.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Sequence
 
 from skewadam_jax.structure import paths as _paths
-from skewadam_jax.structure import rules as _rules
+from skewadam_jax.structure import name_rules as _name_rules
 from skewadam_jax.structure import stacks as _stacks
 from skewadam_jax.structure import vocabulary as _vocabulary
 from skewadam_jax.structure.vocabulary import BACKBONE
@@ -25,13 +33,87 @@ from skewadam_jax.structure.vocabulary import ROUTER
 _RANKED_APART = 3  # rank >= 3 leaves in the default tier reported one line each
 
 
+@dataclasses.dataclass
+class Units:
+  """Sibling units indexed 0..n-1 of identical structure and shapes (an expert bank kept
+  as separate leaves, or unrolled dense layers) beside router candidates [d, n]."""
+  prefix: tuple[str, ...]  # lowercase segments of the module holding the units
+  stem: str  # the units' `<stem>_` ('' for indices and digit keys)
+  units: list[list[int]]  # each unit's leaves, unit 0 first
+  routers: list[int]  # kernels beside them mapping their shared width to n outputs
+
+
+def numbered_units(segs: Sequence[tuple[str, ...]],
+                   shapes: Sequence[Optional[tuple[int, ...]]], scan: Sequence[set[int]],
+                   free: Sequence[bool], router_ok: Sequence[bool]) -> list[Units]:
+  """Families of numbered units that may be an expert bank kept as separate leaves.
+
+  A family is the units `<module>/<i>` (or `<module>/<stem>_<i>`), i = 0..n-1 without
+  gaps, n >= 2, whose leaves are all `free`, are matrices or vectors (one matrix at
+  least: a leaf with more axes is reported as rank >= 3 anyway) and are the same from
+  unit to unit (paths below the unit, shapes, scanned axes). It is kept only if a
+  router candidate sits beside it, as `stacks` looks for one beside a stacked bank: a
+  `router_ok` kernel outside the units, under the module that holds the list (`q`
+  beside `u/0..`) or the units (`ffn/sel` beside `ffn/unit_0..`), a bare leaf there or
+  the kernel of a module of its own, whose core is [d, n] ([n, d] for a
+  PyTorch `weight`) with d an axis length that every matrix of a unit has.
+
+  Args:
+    segs: each leaf's lowercase normalised path segments.
+    shapes: each leaf's shape, or None for a leaf that is not an array.
+    scan: each leaf's scanned (layer) axes.
+    free: whether nothing (no rule, name or structure) decided the leaf's tier.
+    router_ok: whether the leaf may be a router (free, or labelled `router`).
+
+  Returns:
+    The families found, outer modules first.
+  """
+  families: dict[tuple[tuple[str, ...], str], dict[int, list[int]]] = {}
+  for i, s in enumerate(segs):
+    if shapes[i] is None:
+      continue
+    for k, seg in enumerate(s):
+      m = _vocabulary.NUMBERED_UNIT.match(seg)
+      if m:
+        key = (s[:k], m['stem'] or '')
+        families.setdefault(key, {}).setdefault(int(m['idx']), []).append(i)
+  found = []
+  for (prefix, stem), by_index in sorted(families.items(), key=lambda kv: len(kv[0][0])):
+    n = len(by_index)
+    if n < 2 or sorted(by_index) != list(range(n)):
+      continue
+    units = [by_index[e] for e in range(n)]
+    members = [i for unit in units for i in unit]
+    if not all(free[i] for i in members):
+      continue
+    # Each unit's leaves by their path below the unit, shape and scanned axes.
+    signatures = [sorted((segs[i][len(prefix) + 1:], shapes[i], tuple(sorted(scan[i])))
+                         for i in unit) for unit in units]
+    if any(sig != signatures[0] for sig in signatures[1:]):
+      continue
+    cores = [_paths.core_shape(shapes[i], scan[i]) for i in units[0]]
+    if any(len(c) not in (1, 2) for c in cores) or all(len(c) != 2 for c in cores):
+      continue
+    widths = set.intersection(*(set(c) for c in cores if len(c) == 2))
+    # The module beside which a router sits: the list's parent (`q` beside `u/0..`), or
+    # the parent of `<stem>_<i>` units, which take the place of the list.
+    area = prefix if stem else prefix[:-1]
+    inside = set(members)
+    near = [j for j in range(len(segs)) if j not in inside and shapes[j] is not None
+            and router_ok[j] and len(segs[j]) <= len(area) + 2]
+    routers = _stacks.kernels_mapping(area, n, widths, near, segs, shapes, scan)
+    if routers:
+      found.append(Units(prefix, stem, units, routers))
+  return found
+
+
 def _rule_hint(path: str, tier: str) -> str:
   return f"sj.make_labeler([({path!r}, {tier!r})])"
 
 
 def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]:
   """Numbered units of identical shapes beside a router candidate [d, n] that nothing
-  decided (`structure.stacks.numbered_units`), one line per router: an expert bank kept as
+  decided (`numbered_units`), one line per router: an expert bank kept as
   separate leaves and its router, or unrolled dense layers beside an unrelated kernel.
   Shapes cannot tell these apart, so the leaves keep the default tier and are reported
   (with the rules that settle it either way); sets each reported leaf's `note`."""
@@ -43,11 +125,11 @@ def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
     return leaf.source in ('default', 'dense rule') and not (
         use_axis_names and leaf.names_well_formed)
 
-  found = _stacks.numbered_units(
+  found = numbered_units(
       [x.segs for x in leaves], [x.shape if x.is_array else None for x in leaves],
       [x.scan for x in leaves], [free(x) for x in leaves],
       [free(x) or x.tier == ROUTER for x in leaves])
-  by_routers: dict[tuple[int, ...], list[_stacks.Units]] = {}
+  by_routers: dict[tuple[int, ...], list[Units]] = {}
   for family in found:
     by_routers.setdefault(tuple(family.routers), []).append(family)
   lines = []
@@ -91,7 +173,7 @@ def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
   return lines
 
 
-def _unit_pattern(leaves: list[_paths.Leaf], family: _stacks.Units) -> str:
+def _unit_pattern(leaves: list[_paths.Leaf], family: Units) -> str:
   """A rule pattern for the units of `family`, as written in the paths: `u/*` for a
   list, `ffn/unit_*` for `<stem>_<i>` modules, `ffn/[0-9]*` for digit keys among
   others."""
@@ -244,11 +326,11 @@ def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
 
 
 def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
-            found: Optional[_stacks.Structure] = None) -> list[str]:
+            found: Optional[_stacks.StacksAndBanks] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
   lines = (_unit_findings(leaves, use_axis_names) + _bias_or_scale(leaves)
            + _router_inputs(leaves, use_axis_names) + _odd_members(leaves))
-  counts = _rules.router_counts(leaves)
+  counts = _name_rules.router_counts(leaves)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:
       leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
@@ -272,7 +354,7 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
     # An expert axis name where the shape agrees (a router maps to its length): a bank
     # that a dense name (`ffn`) or the default left in another tier. Never on a leaf a
     # rule names (`*embed*`, `*attn*`): sharding names are hints, not structure.
-    axis = _rules.confirmed_expert_axis(leaf, counts)
+    axis = _name_rules.confirmed_expert_axis(leaf, counts)
     if axis is not None and leaf.tier not in (EXPERTS, ROUTER) and leaf.source not in (
         'rule', 'default rule'):
       reason = f'axis {axis} is named {leaf.names[axis]!r} but the leaf is {leaf.tier!r}'

@@ -94,12 +94,8 @@ axis), `decide` (findings to tiers) and `api` (`trace_structure`).
 
 from skewadam_jax.structure.traced.api import TraceWarning
 from skewadam_jax.structure.traced.api import trace_structure
-from skewadam_jax.structure.vocabulary import BACKBONE
-from skewadam_jax.structure.vocabulary import EXPERTS
 from skewadam_jax.structure.traced.results import LeafStructure
-from skewadam_jax.structure.vocabulary import ROUTER
 from skewadam_jax.structure.traced.results import RoutingDecision
 from skewadam_jax.structure.traced.results import Structure
 
-__all__ = ['BACKBONE', 'EXPERTS', 'LeafStructure', 'ROUTER', 'RoutingDecision', 'Structure',
-           'TraceWarning', 'trace_structure']
+__all__ = ['LeafStructure', 'RoutingDecision', 'Structure', 'TraceWarning', 'trace_structure']

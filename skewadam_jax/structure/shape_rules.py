@@ -24,7 +24,7 @@ def _router_count(leaf: _paths.Leaf) -> Optional[int]:
   return None if _vocabulary.is_vector(leaf.segs) else _vocabulary.expert_count(leaf.core)
 
 
-def stacks_and_banks(leaves: list[_paths.Leaf], label: bool) -> _stacks.Structure:
+def stacks_and_banks(leaves: list[_paths.Leaf], label: bool) -> _stacks.StacksAndBanks:
   """Scanned axes of every leaf; with `label`, name-free banks and their routers."""
   found = _stacks.scan_leaves(leaves, [x.tier is not None for x in leaves])
   if not label:

@@ -2,7 +2,7 @@
 
 A leaf's tier is first decided by names: the user's rules, numbered sibling modules
 (`expert_0 .. expert_{n-1}`), `DEFAULT_RULES`, and, where asked, logical axis names.
-`DENSE_RULES` come last, after the structure read from shapes (`shapes`). Every rule
+`DENSE_RULES` come last, after the structure read from shapes (`shape_rules`). Every rule
 is a `(pattern, tier)` pair of whole-segment globs, first match wins (`paths`).
 """
 

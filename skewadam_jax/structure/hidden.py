@@ -50,11 +50,11 @@ EMBEDDING_PATTERNS = ('*embed*', 'wte', 'wpe', 'lm_head', '*vocab*', '*logits*')
 # A leaf's own module (case-insensitive globs) that names an output head. Only its own:
 # `output` is also a module of BERT's attention and MLP blocks (`output/dense`).
 HEAD_PATTERNS = ('head', '*_head', 'output', 'classifier')
-# Path segments of the blocks whose matrices are hidden: attention and MLP blocks, shared
-# experts (the dense modules of `name_rules.DEFAULT_RULES` and `name_rules.DENSE_RULES`) and the
-# projections in them (`q_proj`, `down_proj`, `out_proj`, GPT-2's `c_proj`).
-BLOCK_PATTERNS = ('*attn*', '*attention*', '*mlp*', '*ffn*', '*ffw*', '*feed_forward*',
-                  '*feedforward*', '*shared_expert*', '*_proj', 'pre_logits', 'prelogits')
+# Path segments of the blocks whose matrices are hidden: attention and MLP blocks (the
+# dense modules of the name rules), shared experts and the projections in them
+# (`q_proj`, `down_proj`, `out_proj`, GPT-2's `c_proj`).
+BLOCK_PATTERNS = (*_vocabulary.ATTENTION_MODULES, *_vocabulary.MLP_MODULES,
+                  '*shared_expert*', '*_proj', 'pre_logits', 'prelogits')
 # A leaf's own name that names an attention projection (`wq` of Mixtral and T5 layers,
 # DenseGeneral's `query`): hidden wherever it is stored (a flat layer dict too).
 PROJECTION_NAMES = ('wq', 'wk', 'wv', 'wo', 'wqkv', 'query', 'key', 'value')

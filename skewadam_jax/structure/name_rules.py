@@ -44,8 +44,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     ('*moe*/**/wo_bias', EXPERTS),
     ('per_expert_*', EXPERTS),  # gemma / MaxText Gemma 4 `per_expert_scale` [E]
     # Dense modules that routers and experts are never inside of.
-    ('*attention*', BACKBONE),
-    ('*attn*', BACKBONE),
+    *((p, BACKBONE) for p in _vocabulary.ATTENTION_MODULES),  # `*attention*`, `*attn*`
     ('*norm*', BACKBONE),
     ('*embed*', BACKBONE),
     ('wq', BACKBONE),  # attention projections stored flat (`layer/{wq, wk, wv, w1, ...}`;
@@ -61,11 +60,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
 # MoE blocks are called `mlp` (gemma's `mlp` is its MoE, `mlp2` the dense branch); a
 # leaf these name is known dense, so it is not reported as unsure.
 DENSE_RULES: tuple[Rule, ...] = (
-    ('*mlp*', BACKBONE),
-    ('*ffn*', BACKBONE),
-    ('*ffw*', BACKBONE),
-    ('*feed_forward*', BACKBONE),
-    ('*feedforward*', BACKBONE),
+    *((p, BACKBONE) for p in _vocabulary.MLP_MODULES),  # `*mlp*`, `*ffn*`, `*ffw*`, ...
     ('lm_head', BACKBONE),
 )
 

@@ -3,9 +3,10 @@ axes and modules, and how a kernel's shape gives a router's expert count.
 
 Both routes decide in these words: the names route (`name_rules`, `shape_rules`,
 `stacks`, `labels`, `axes`, `hidden`) and the traced route (`traced`), so that a tier or
-a role means one thing everywhere and each pattern and heuristic is written once. The
-name rule tables (`name_rules.DEFAULT_RULES`, the glob patterns of `hidden`) stay beside
-the decider that reads them; the glob engine they are matched with is `paths`'.
+a role means one thing everywhere and each pattern and heuristic is written once. A
+name table read by one decider stays beside it (`name_rules.DEFAULT_RULES`, the
+embedding and head globs of `hidden`); the module globs two deciders read are here. The
+glob engine they are all matched with is `paths`'.
 
 Example:
   >>> from skewadam_jax.structure import vocabulary as v
@@ -54,6 +55,10 @@ OTHER = 'other'  # none of these (read only by ops that give no role)
 
 LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
 SCAN_MODULE = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
+# The dense blocks' module names (case-insensitive globs): the name rules make them
+# backbone (`name_rules`), and their matrices are hidden ones (`hidden`).
+ATTENTION_MODULES = ('*attention*', '*attn*')
+MLP_MODULES = ('*mlp*', '*ffn*', '*ffw*', '*feed_forward*', '*feedforward*')
 # Logical / mesh axis names that mark an expert axis (MaxText 'exp', Linen boxes).
 EXPERT_AXIS_NAMES = frozenset({'exp', 'expert', 'experts', 'num_experts', 'routed_experts'})
 

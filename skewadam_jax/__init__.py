@@ -42,8 +42,8 @@ from skewadam_jax.estimators.codec import Blockwise
 from skewadam_jax.estimators.codec import Coded
 from skewadam_jax.estimators.codec import StateCodec
 # Labels: which tier each parameter gets, and your own rules.
-from skewadam_jax.structure.rules import DEFAULT_RULES
-from skewadam_jax.structure.rules import DENSE_RULES
+from skewadam_jax.structure.name_rules import DEFAULT_RULES
+from skewadam_jax.structure.name_rules import DENSE_RULES
 from skewadam_jax.structure.labels import Labeler
 from skewadam_jax.structure.labels import make_labeler
 from skewadam_jax.structure.labels import moe_param_labels

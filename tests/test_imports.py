@@ -5,8 +5,9 @@ layer or the layers below (`LAYERS`, bottom first):
 
 * `core`: pytree helpers, argument checks, XLA facts;
 * `estimators`: what a tier remembers (second-moment estimators, their geometry);
-* `structure`: what each parameter is (paths, boxes, name rules, shapes, labels, unsure
-  reports, stacks, batch axes, the traced analysis);
+* `structure`: what each parameter is (its vocabulary of tiers and roles, paths, boxes,
+  name rules, shape rules, stacks, unsure reports, labels, batch axes, the traced
+  analysis);
 * `transforms`: how a tier steps (`Tier`, `scale_by_tiers`, AdamPM, the aliases);
 * `reports`: what a user sees (traced `init`, label table, memory report);
 * `integrations`: sharding specs, Orbax checkpoints.
@@ -19,7 +20,9 @@ Besides the layering:
   silences that: what modules share is a public name of the module that owns it;
 * the modules import each other without a cycle;
 * every module is of a size one can read: at most `MAX_MODULE_LINES` lines, no class
-  over `MAX_CLASS_LINES`.
+  over `MAX_CLASS_LINES`;
+* code names a tier through the constants of `structure.vocabulary`, never a literal
+  (`tier == 'router'`, `{'backbone': ...}`): a tier name is spelled in one place.
 """
 
 from __future__ import annotations
@@ -203,3 +206,47 @@ def test_the_plan_is_the_only_carrier_of_decisions():
   for layer in ('transforms', 'reports', 'integrations'):
     for path in (PACKAGE / layer).glob('*.py'):
       assert 'contextvars' not in path.read_text(), path
+
+
+TIER_NAMES = frozenset({'backbone', 'experts', 'router', 'hidden', 'undecided'})
+
+
+def _tier_literals(source: str) -> list[str]:
+  """Tier names written as string literals where code decides with them: compared
+  (`tier == 'router'`, `tier in ('experts', 'router')`), as the tier of a `(pattern,
+  tier)` rule, a dict key or a subscript (`{'backbone': Tier()}`, `tiers['router']`), or
+  passed to a call. Prose (docstrings, messages) is no such place."""
+  out = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Compare):
+      values = [node.left, *node.comparators]
+    elif isinstance(node, ast.Dict):
+      values = [k for k in node.keys if k is not None]
+    elif isinstance(node, ast.Tuple) and len(node.elts) == 2:
+      values = node.elts[1:]
+    elif isinstance(node, ast.Subscript):
+      values = [node.slice]
+    elif isinstance(node, ast.Call):
+      values = [*node.args, *(k.value for k in node.keywords)]
+    else:
+      continue
+    for value in values:
+      elts = value.elts if isinstance(value, (ast.Tuple, ast.List, ast.Set)) else [value]
+      out += [f'{e.value!r} (line {e.lineno})' for e in elts
+              if isinstance(e, ast.Constant) and e.value in TIER_NAMES]
+  return out
+
+
+def test_the_tier_literal_check_sees_what_it_looks_for():
+  assert _tier_literals("x = tier == 'router' or t in ('experts', 'a')\n") == [
+      "'router' (line 1)", "'experts' (line 1)"]
+  assert _tier_literals("r = ('*mlp*', 'backbone')\nd = {'hidden': 1}\nt['undecided']\n") == [
+      "'backbone' (line 1)", "'hidden' (line 2)", "'undecided' (line 3)"]
+  assert not _tier_literals('"""A \'router\' tier."""\nr = (\'experts\', ROUTER)\n')
+
+
+@pytest.mark.parametrize('name', [m for m in MODULES if m != 'structure.vocabulary'])
+def test_tier_names_in_code_come_from_the_vocabulary(name):
+  # One vocabulary (structure/vocabulary.py): a module decides with its constants, so
+  # that a tier name means one thing everywhere and is spelled in one place.
+  assert not _tier_literals(SOURCES[name]), name

@@ -39,10 +39,11 @@ from typing import Any, Iterable, Optional, Sequence
 from skewadam_jax.structure import boxes as _flax
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
-from skewadam_jax.structure import rules as _rules
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.structure import stacks as _stacks
+from skewadam_jax.structure import vocabulary as _vocabulary
 from skewadam_jax.structure import warning as _warning
+from skewadam_jax.structure.vocabulary import EXPERTS
 
 AxesRule = tuple[str, tuple[int, ...]]  # (pattern, batch axes of the matching leaves)
 
@@ -76,10 +77,10 @@ def _banked(leaves: list[_paths.Leaf]) -> set[int]:
   expert written as its own module (`expert_0/w` [d, f]) has no such neighbour, and
   keeps the default.
   """
-  stacked = [x for x in leaves if x.tier == 'experts' and len(x.core) >= 3]
+  stacked = [x for x in leaves if x.tier == EXPERTS and len(x.core) >= 3]
   out = set()
   for i, leaf in enumerate(leaves):
-    if leaf.tier != 'experts' or not leaf.core:
+    if leaf.tier != EXPERTS or not leaf.core:
       continue
     parent = leaf.segs[:-1]
     if any(y is not leaf and y.segs[:len(parent)] == parent and y.core[0] == leaf.core[0]
@@ -134,9 +135,9 @@ def decide(params: Any, labels: Any = None, rules: Sequence[AxesRule] = (),
     if leaf.axes is None and leaf.names_well_formed:
       # An expert axis name counts on the experts tier only: sharding names are hints,
       # and a mesh axis called `expert` also shards dense weights.
-      experts = _rules.EXPERT_AXIS_NAMES if leaf.tier == 'experts' else frozenset()
+      experts = _vocabulary.EXPERT_AXIS_NAMES if leaf.tier == EXPERTS else frozenset()
       leaf.axes = {i for i, e in enumerate(leaf.names)
-                   if _named(e, _rules.LAYER_AXIS_NAME, experts)}
+                   if _named(e, _vocabulary.LAYER_AXIS_NAME, experts)}
       leaf.source = 'axis names'
   found = _stacks.scan_leaves(leaves, [True] * len(leaves))
   unsure = found.ambiguous + ([] if reported else [line for line, _ in found.confusions])

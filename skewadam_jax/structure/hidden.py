@@ -34,43 +34,39 @@ Only paths and shapes are used, so `init` and `update` see the same labels.
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from typing import Any, Optional, Sequence
 
 from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.structure import axes as _axes
-from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import labels as _labels
 from skewadam_jax.structure import paths as _paths
-from skewadam_jax.structure import rules as _rules
+from skewadam_jax.structure import vocabulary as _vocabulary
 from skewadam_jax.structure import warning as _warning
+from skewadam_jax.structure.vocabulary import DEFAULT_TIER
+from skewadam_jax.structure.vocabulary import HIDDEN
 
-HIDDEN_TIER = 'hidden'
 # Path segments (case-insensitive globs) that name an embedding or an output head.
 EMBEDDING_PATTERNS = ('*embed*', 'wte', 'wpe', 'lm_head', '*vocab*', '*logits*')
 # A leaf's own module (case-insensitive globs) that names an output head. Only its own:
 # `output` is also a module of BERT's attention and MLP blocks (`output/dense`).
 HEAD_PATTERNS = ('head', '*_head', 'output', 'classifier')
-# Path segments of the blocks whose matrices are hidden: attention and MLP blocks, shared
-# experts (the dense modules of `rules.DEFAULT_RULES` and `rules.DENSE_RULES`) and the
-# projections in them (`q_proj`, `down_proj`, `out_proj`, GPT-2's `c_proj`).
-BLOCK_PATTERNS = ('*attn*', '*attention*', '*mlp*', '*ffn*', '*ffw*', '*feed_forward*',
-                  '*feedforward*', '*shared_expert*', '*_proj', 'pre_logits', 'prelogits')
+# Path segments of the blocks whose matrices are hidden: attention and MLP blocks (the
+# dense modules of the name rules), shared experts and the projections in them
+# (`q_proj`, `down_proj`, `out_proj`, GPT-2's `c_proj`).
+BLOCK_PATTERNS = (*_vocabulary.ATTENTION_MODULES, *_vocabulary.MLP_MODULES,
+                  '*shared_expert*', '*_proj', 'pre_logits', 'prelogits')
 # A leaf's own name that names an attention projection (`wq` of Mixtral and T5 layers,
 # DenseGeneral's `query`): hidden wherever it is stored (a flat layer dict too).
 PROJECTION_NAMES = ('wq', 'wk', 'wv', 'wo', 'wqkv', 'query', 'key', 'value')
 # The names a module gives its own matrix: the module is the segment before them.
 _PARAM_NAMES = ('kernel', 'weight', 'w', 'embedding')
-# A numbered sibling: a list index (`layers/0`) or a numbered module (`block_0`).
-_NUMBERED = re.compile(r'^(?:(.*)_)?\d+$')
 # Unsure leaves named in the warning line; the others are counted (a leaf the warning
 # does not name is not reported: a generated ViT with random names has ~20).
 _SHOWN = 64
 
 
 def _matches(segment: str, patterns: Sequence[str]) -> bool:
-  return any(fnmatch.fnmatchcase(segment, p) for p in patterns)
+  return any(_paths.match_path(p, (segment,)) for p in patterns)
 
 
 def _named_embedding(segs: tuple[str, ...]) -> bool:
@@ -92,12 +88,12 @@ def _per_channel_filter(leaf: _paths.Leaf, core: tuple[int, ...]) -> bool:
     return False
   if len(core) < 3:
     return True  # [C, k] or [k, C]: one tap axis, one channel axis
-  return leaf.shape[core[1] if leaf.segs[-1] == 'weight' else core[-2]] == 1
+  return leaf.shape[core[1] if _vocabulary.is_torch_layout(leaf.segs) else core[-2]] == 1
 
 
 def _unnumbered(segment: str) -> str:
   """`#` for a list index, `block_#` for `block_3`: what numbered siblings share."""
-  found = _NUMBERED.match(segment)
+  found = _vocabulary.NUMBERED_SIBLING.match(segment)
   if found is None:
     return segment
   return '#' if found.group(1) is None else f'{found.group(1)}_#'
@@ -117,7 +113,7 @@ def _repeated(leaves: list[_paths.Leaf]) -> list[bool]:
 def _reading(leaf: _paths.Leaf, repeated: bool) -> Optional[bool]:
   """True: a hidden matrix; False: not one; None: names and shapes cannot tell."""
   batch = tuple(sorted(leaf.axes or ()))
-  if not _orthogonal.has_matrix(leaf.shape, batch) or _kernels.is_vector(leaf.segs):
+  if not _orthogonal.has_matrix(leaf.shape, batch) or _vocabulary.is_vector(leaf.segs):
     return False
   core = tuple(a for a in range(len(leaf.shape)) if a not in leaf.scan)
   if _per_channel_filter(leaf, core) or _named_embedding(leaf.segs):
@@ -163,14 +159,14 @@ def hidden_param_labels(params: Any, param_labels: Any = None) -> Any:
   out, unsure = [], []
   flat = treedef.flatten_up_to(labels)
   biases = _general_biases([x for x, label in zip(leaves, flat)
-                            if label == _rules.DEFAULT_TIER], leaves)
+                            if label == DEFAULT_TIER], leaves)
   for i, (leaf, label, again) in enumerate(zip(leaves, flat, _repeated(leaves))):
     hidden = None
-    if label == _rules.DEFAULT_TIER:
+    if label == DEFAULT_TIER:
       hidden = False if i in biases else _reading(leaf, again)
       if hidden is None:
         unsure.append(leaf)
-    out.append(HIDDEN_TIER if hidden else label)
+    out.append(HIDDEN if hidden else label)
   if unsure:
     _warning.report([_unsure_line(unsure)], strict=False)
   return treedef.unflatten(out)
@@ -198,6 +194,6 @@ def _unsure_line(leaves: list[_paths.Leaf]) -> str:
           'block: a hidden matrix, or an embedding or output layer that Muon must not '
           "orthogonalise, which names and shapes cannot tell apart; labelled 'backbone' "
           "(the Adam-like rule, safe for either), not hidden; if one is a hidden matrix, "
-          f"label it: sj.make_labeler([({leaves[0].path!r}, 'hidden')]) (in "
+          f"label it: sj.make_labeler([({leaves[0].path!r}, {HIDDEN!r})]) (in "
           'sj.hidden_param_labels, as below), or give the trace below with your policy, '
           'which reads every one from the computation')

@@ -24,8 +24,8 @@ so that `init` (boxed Linen params, `nnx.State`) and `update` (the pure arrays t
 7. `DENSE_RULES` (known dense modules, backbone);
 8. the default tier, `backbone` (lossless).
 
-The name rules (1-4, 7) live in `rules`, the structure read from shapes (5-6) in
-`shapes` (with `stacks`), the reports of unsure leaves in `unsure`; this module puts
+The name rules (1-4, 7) live in `name_rules`, the structure read from shapes (5-6) in
+`shape_rules` (with `stacks`), the reports of unsure leaves in `unsure`; this module puts
 them in that order (`Labeler`) and turns label trees into one tier per leaf.
 
 Only paths and shapes are used (plus axis names where asked), so the same tree gets the
@@ -35,7 +35,7 @@ pytree nodes); a leaf that is not an array (an Equinox module's function or inte
 field) is static, as `eqx.filter(model, eqx.is_array)` has it: it gets the default
 tier and takes no part in the structure. Leaves the labeler is unsure about are
 reported (a warning, or a `ValueError` when `strict`); so are numbered units of identical
-shapes beside a router candidate (`stacks.numbered_units`), an expert bank kept as
+shapes beside a router candidate (`unsure.numbered_units`), an expert bank kept as
 separate leaves or unrolled dense layers, which shapes cannot tell apart.
 """
 
@@ -49,14 +49,14 @@ import jax
 from skewadam_jax.core import checks as _checks
 from skewadam_jax.structure import boxes as _flax
 from skewadam_jax.structure import paths as _paths
-from skewadam_jax.structure import rules as _rules
-from skewadam_jax.structure import shapes as _shapes
+from skewadam_jax.structure import name_rules as _name_rules
+from skewadam_jax.structure import shape_rules as _shape_rules
 from skewadam_jax.structure import stacks as _stacks
 from skewadam_jax.structure import unsure as _unsure
 from skewadam_jax.structure import warning as _warning
+from skewadam_jax.structure.vocabulary import DEFAULT_TIER
 
-Rule = _rules.Rule
-DEFAULT_TIER = _rules.DEFAULT_TIER
+Rule = _name_rules.Rule
 
 
 class Labeler:
@@ -73,8 +73,8 @@ class Labeler:
     self.use_default_rules = use_default_rules
     self.strict = strict
     self._user = _paths.compile_rules(self.rules)
-    self._default_rules = _paths.compile_rules(_rules.DEFAULT_RULES)
-    self._dense_rules = _paths.compile_rules(_rules.DENSE_RULES)
+    self._default_rules = _paths.compile_rules(_name_rules.DEFAULT_RULES)
+    self._dense_rules = _paths.compile_rules(_name_rules.DENSE_RULES)
 
   def __repr__(self) -> str:
     return (f'Labeler(rules={list(self.rules)!r}, default={self.default!r}, '
@@ -94,26 +94,26 @@ class Labeler:
     return treedef.unflatten([x.tier for x in leaves]), notes
 
   def _decide(self, params: Any, use_axis_names: bool
-              ) -> tuple[list[_paths.Leaf], Any, _stacks.Structure]:
+              ) -> tuple[list[_paths.Leaf], Any, _stacks.StacksAndBanks]:
     leaves, treedef = _paths.leaves_of(params, _flax.axis_names_by_path(params))
     for leaf in leaves:
       if not leaf.is_array:  # a static field: no parameter, no state
         leaf.tier, leaf.source, leaf.why = self.default, 'static', 'not an array'
-    _rules.apply_rules(leaves, self._user, 'rule')
+    _name_rules.apply_rules(leaves, self._user, 'rule')
     if self.use_default_rules:
-      _rules.numbered_experts(leaves)
-      _rules.apply_rules(leaves, self._default_rules, 'default rule')
+      _name_rules.numbered_experts(leaves)
+      _name_rules.apply_rules(leaves, self._default_rules, 'default rule')
       if use_axis_names:
-        _rules.axis_name_experts(leaves)
-      found = _shapes.stacks_and_banks(leaves, label=True)
-      _shapes.bias_kernels(leaves)
-      _shapes.router_vectors(leaves)
-      _shapes.block_structure(leaves, use_axis_names)
-      _rules.apply_rules(leaves, self._dense_rules, 'dense rule')
+        _name_rules.axis_name_experts(leaves)
+      found = _shape_rules.stacks_and_banks(leaves, label=True)
+      _shape_rules.bias_kernels(leaves)
+      _shape_rules.router_vectors(leaves)
+      _shape_rules.block_structure(leaves, use_axis_names)
+      _name_rules.apply_rules(leaves, self._dense_rules, 'dense rule')
     else:
       if use_axis_names:
-        _rules.axis_name_experts(leaves)
-      found = _shapes.stacks_and_banks(leaves, label=False)
+        _name_rules.axis_name_experts(leaves)
+      found = _shape_rules.stacks_and_banks(leaves, label=False)
     for leaf in leaves:
       if leaf.tier is None:
         leaf.tier, leaf.source = self.default, 'default'
@@ -135,7 +135,7 @@ def make_labeler(rules: Optional[Iterable[Rule]] = None, *, default: str = DEFAU
   Returns:
     A callable mapping a pytree to a same-structure pytree of tier names.
   """
-  return Labeler(_rules.check_rules(rules), default, use_default_rules, strict)
+  return Labeler(_name_rules.check_rules(rules), default, use_default_rules, strict)
 
 
 def moe_param_labels(params: Any, rules: Optional[Iterable[Rule]] = None, *,

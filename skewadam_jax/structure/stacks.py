@@ -28,9 +28,9 @@ explains) when
 
 Whatever the subtree is called, a shared position is the layer axis of stacked MoE
 layers when, with it taken away, the leaves still hold a router [d, E] and its bank
-[E, d, f] (`kernels.moe_layer_axis`): a bank of L experts has no router carrying L. The
+[E, d, f] (`_moe_layer_axis`): a bank of L experts has no router carrying L. The
 same reading finds such a stack among the children of any module that no subtree
-explains, the root included (`kernels.sibling_stacks`: `{emb [V, d], wq [L, d, d],
+explains, the root included (`_sibling_stacks`: `{emb [V, d], wq [L, d, d],
 router [L, d, E], w1 [L, E, d, f], ...}`), leaving out the leaves beside it.
 
 A bank may also be the sibling leaves of one module beside their router
@@ -43,29 +43,17 @@ vectors and matrices too, which the rank-3 report of the defaults does not name)
 Two readable positions (R == E laid out alike, or two lengths no other leaf explains)
 are reported: which axis stacks the layers and which indexes the experts is then a
 guess, and the report names the paths and the rule that settles it.
-
-A bank may also be kept as separate leaves, one unit per expert (`numbered_units`):
-n >= 2 sibling units indexed 0..n-1 (list, tuple or `nnx.List` indices, dict keys '0',
-'1', ..., or `<stem>_0 .. <stem>_{n-1}`), of identical structure and shapes, beside a
-router candidate that maps a width all their matrices share to n outputs. Unrolled dense
-layers beside an unrelated [d, n] kernel look exactly the same, so that reading is only
-ever reported, never labelled.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Optional, Sequence
 
-from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
-
-# Modules that hold scanned (stacked) layers when they are not followed by an index.
-SCAN_SEGMENT = re.compile(r'^(\w+_)?layers$|^scanned_\w+$|^scan$|^blocks$|^stack(ed)?$')
-# One numbered unit: a list / tuple / `nnx.List` index or dict key ('0', '1', ...), or
-# `<stem>_<i>` with any stem (no leading zeros, so that each index is one unit).
-_NUMBERED_UNIT = re.compile(r'^(?:(?P<stem>.+?)_)?(?P<idx>0|[1-9][0-9]*)$')
+from skewadam_jax.structure import vocabulary as _vocabulary
+from skewadam_jax.structure.vocabulary import EXPERTS
+from skewadam_jax.structure.vocabulary import ROUTER
 
 
 @dataclasses.dataclass
@@ -81,17 +69,7 @@ class Group:
 
 
 @dataclasses.dataclass
-class Units:
-  """Sibling units indexed 0..n-1 of identical structure and shapes (an expert bank kept
-  as separate leaves, or unrolled dense layers) beside router candidates [d, n]."""
-  prefix: tuple[str, ...]  # lowercase segments of the module holding the units
-  stem: str  # the units' `<stem>_` ('' for indices and digit keys)
-  units: list[list[int]]  # each unit's leaves, unit 0 first
-  routers: list[int]  # kernels beside them mapping their shared width to n outputs
-
-
-@dataclasses.dataclass
-class Structure:
+class StacksAndBanks:
   """Scan axes of every leaf, the stacks and banks found, and unsure findings."""
   scan: list[set[int]]  # per leaf: positions of its scanned (layer) axes
   groups: list[Group]
@@ -104,14 +82,14 @@ class Structure:
 def _named(prefix: tuple[str, ...], segs: Sequence[tuple[str, ...]], members: list[int]
            ) -> bool:
   """Whether `prefix` ends in a scan module name not followed by a numbered module."""
-  if not SCAN_SEGMENT.match(prefix[-1]):
+  if not _vocabulary.SCAN_MODULE.match(prefix[-1]):
     return False
   return not any(segs[i][len(prefix)].isdigit() for i in members)
 
 
 def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
             shapes: Sequence[Optional[tuple[int, ...]]],
-            tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]) -> Structure:
+            tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]) -> StacksAndBanks:
   """Finds the stacks and banks of a tree of leaves (flattening order).
 
   Args:
@@ -124,7 +102,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
       that names a dense tier is not a bank.
 
   Returns:
-    The `Structure`: scan axes per leaf, the groups found, the unsure findings.
+    The `StacksAndBanks`: scan axes per leaf, the groups found, the unsure findings.
   """
   scan: list[set[int]] = [set() for _ in shapes]
   groups: list[Group] = []
@@ -172,7 +150,7 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
     ndim = min(len(shapes[i]) for i, _ in body)
     common = [p for p in range(ndim) if p not in known and shapes[first][p] > 1
               and len({shapes[i][p] for i, _ in body}) == 1
-              and all(p != f[-1] or (len(f) == 2 and _kernels.is_vector(segs[i]))
+              and all(p != f[-1] or (len(f) == 2 and _vocabulary.is_vector(segs[i]))
                       for i, f in body)]
     lengths = {shapes[i][f[0]] for i, f in zip(members, free) if i in vectors}
     if vectors:
@@ -181,16 +159,16 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
       continue
     inside = set(members)
     outside = [i for i in arrays if i not in inside]
-    if all(tiers[i] == 'experts' for i in members):
+    if all(tiers[i] == EXPERTS for i in members):
       seen.add(key)  # a bank by its names: its expert axis is the experts tier's
       continue
-    layer = None if vectors else _kernels.moe_layer_axis(members, common, segs, shapes,
+    layer = None if vectors else _moe_layer_axis(members, common, segs, shapes,
                                                          scan, tiers, decided_by_name)
     if layer is not None:  # a router and its bank under a shared axis: stacked MoE layers
       seen.add(key)
       _stack(groups, scan, prefix, members, layer, shapes, named=False)
       continue
-    dense_by_name = all(decided_by_name[i] and tiers[i] not in (None, 'experts')
+    dense_by_name = all(decided_by_name[i] and tiers[i] not in (None, EXPERTS)
                         for i in members)
     # A stack of layers holds several modules (norms, attention, MLP); the leaves of one
     # module sharing a length (w [4, d, f], b [4, f]) may as well be a bank whose router
@@ -240,16 +218,17 @@ def analyse(paths: Sequence[str], segs: Sequence[tuple[str, ...]],
           'say which: batch_axes=lambda p, param_labels: sj.moe_batch_axes('
           "p, param_labels, rules=[('"
           f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
-          f"param_labels=sj.make_labeler([('{where}', 'experts')])", members))
-  for module, members, layer in _kernels.sibling_stacks(segs, shapes, scan, tiers,
+          f"param_labels=sj.make_labeler([('{where}', {EXPERTS!r})])", members))
+  for module, members, layer in _sibling_stacks(segs, shapes, scan, tiers,
                                                         decided_by_name):
     _stack(groups, scan, module, members, layer, shapes, named=False)
   _sibling_banks(groups, segs, shapes, scan, tiers, decided_by_name)
-  return Structure(scan, groups, ambiguous, confusions)
+  return StacksAndBanks(scan, groups, ambiguous, confusions)
 
 
-def scan_leaves(leaves: list[_paths.Leaf], decided_by_name: Sequence[bool]) -> Structure:
-  """`analyse` on leaf records: sets each leaf's `scan` and returns the `Structure`."""
+def scan_leaves(leaves: list[_paths.Leaf], decided_by_name: Sequence[bool]
+                ) -> StacksAndBanks:
+  """`analyse` on leaf records: sets each leaf's `scan` and returns the `StacksAndBanks`."""
   found = analyse([x.path for x in leaves], [x.segs for x in leaves],
                   [x.shape if x.is_array else None for x in leaves],
                   [x.tier for x in leaves], decided_by_name)
@@ -275,12 +254,12 @@ def _sibling_banks(groups: list[Group], segs: Sequence[tuple[str, ...]],
     by_length: dict[int, list[int]] = {}
     for i in children:
       free = _paths.core_axes(shapes[i], scan[i])
-      if len(free) >= 2 and not (decided_by_name[i] and tiers[i] != 'experts'):
+      if len(free) >= 2 and not (decided_by_name[i] and tiers[i] != EXPERTS):
         by_length.setdefault(shapes[i][free[0]], []).append(i)
     for n, members in by_length.items():
       if n < 2 or all(len(_paths.core_axes(shapes[i], scan[i])) < 3 for i in members):
         continue
-      if all(tiers[i] == 'experts' for i in members):
+      if all(tiers[i] == EXPERTS for i in members):
         continue  # a bank by its names: the name-based structure reads it
       dims = {shapes[i][q] for i in members for q in _paths.core_axes(shapes[i], scan[i])[1:]}
       inside = set(members)
@@ -305,71 +284,7 @@ def _lone_finding(prefix: tuple[str, ...], members: list[int],
           'say which: batch_axes=lambda p, param_labels: sj.moe_batch_axes('
           "p, param_labels, rules=[('"
           f"{where}/**', (<layer and expert axes>,))]) and, for a bank, "
-          f"param_labels=sj.make_labeler([('{where}', 'experts')])")
-
-
-def numbered_units(segs: Sequence[tuple[str, ...]],
-                   shapes: Sequence[Optional[tuple[int, ...]]], scan: Sequence[set[int]],
-                   free: Sequence[bool], router_ok: Sequence[bool]) -> list[Units]:
-  """Families of numbered units that may be an expert bank kept as separate leaves.
-
-  A family is the units `<module>/<i>` (or `<module>/<stem>_<i>`), i = 0..n-1 without
-  gaps, n >= 2, whose leaves are all `free`, are matrices or vectors (one matrix at
-  least: a leaf with more axes is reported as rank >= 3 anyway) and are the same from
-  unit to unit (paths below the unit, shapes, scanned axes). It is kept only if a
-  router candidate sits beside it, as `_router_candidates` looks for one beside a
-  stacked bank: a `router_ok` kernel outside the units, under the module that holds the
-  list (`q` beside `u/0..`) or the units (`ffn/sel` beside `ffn/unit_0..`), a bare leaf
-  there or the kernel of a module of its own, whose core is [d, n] ([n, d] for a
-  PyTorch `weight`) with d an axis length that every matrix of a unit has.
-
-  Args:
-    segs: each leaf's lowercase normalised path segments.
-    shapes: each leaf's shape, or None for a leaf that is not an array.
-    scan: each leaf's scanned (layer) axes.
-    free: whether nothing (no rule, name or structure) decided the leaf's tier.
-    router_ok: whether the leaf may be a router (free, or labelled `router`).
-
-  Returns:
-    The families found, outer modules first.
-  """
-  families: dict[tuple[tuple[str, ...], str], dict[int, list[int]]] = {}
-  for i, s in enumerate(segs):
-    if shapes[i] is None:
-      continue
-    for k, seg in enumerate(s):
-      m = _NUMBERED_UNIT.match(seg)
-      if m:
-        key = (s[:k], m['stem'] or '')
-        families.setdefault(key, {}).setdefault(int(m['idx']), []).append(i)
-  found = []
-  for (prefix, stem), by_index in sorted(families.items(), key=lambda kv: len(kv[0][0])):
-    n = len(by_index)
-    if n < 2 or sorted(by_index) != list(range(n)):
-      continue
-    units = [by_index[e] for e in range(n)]
-    members = [i for unit in units for i in unit]
-    if not all(free[i] for i in members):
-      continue
-    # Each unit's leaves by their path below the unit, shape and scanned axes.
-    signatures = [sorted((segs[i][len(prefix) + 1:], shapes[i], tuple(sorted(scan[i])))
-                         for i in unit) for unit in units]
-    if any(sig != signatures[0] for sig in signatures[1:]):
-      continue
-    cores = [_paths.core_shape(shapes[i], scan[i]) for i in units[0]]
-    if any(len(c) not in (1, 2) for c in cores) or all(len(c) != 2 for c in cores):
-      continue
-    widths = set.intersection(*(set(c) for c in cores if len(c) == 2))
-    # The module beside which a router sits: the list's parent (`q` beside `u/0..`), or
-    # the parent of `<stem>_<i>` units, which take the place of the list.
-    area = prefix if stem else prefix[:-1]
-    inside = set(members)
-    near = [j for j in range(len(segs)) if j not in inside and shapes[j] is not None
-            and router_ok[j] and len(segs[j]) <= len(area) + 2]
-    routers = _kernels_mapping(area, n, widths, near, segs, shapes, scan)
-    if routers:
-      found.append(Units(prefix, stem, units, routers))
-  return found
+          f"param_labels=sj.make_labeler([('{where}', {EXPERTS!r})])")
 
 
 def _stack(groups: list[Group], scan: list[set[int]], prefix: tuple[str, ...],
@@ -387,16 +302,85 @@ def _router_candidates(area: tuple[str, ...], n: int, dims: set[int], outside: l
                        ) -> list[int]:
   """Of the leaves `outside` a bank that no name or rule gave another tier, the kernels
   under the module `area` that map an axis of the bank's leaves (`dims`) to `n` outputs."""
-  eligible = [i for i in outside if _kernels.may_route(i, tiers, decided_by_name)]
-  return _kernels_mapping(area, n, dims, eligible, segs, shapes, scan)
+  eligible = [i for i in outside if _may_route(i, tiers, decided_by_name)]
+  return kernels_mapping(area, n, dims, eligible, segs, shapes, scan)
 
 
-def _kernels_mapping(area: tuple[str, ...], n: int, dims: set[int], candidates: list[int],
-                     segs: Sequence[tuple[str, ...]],
-                     shapes: Sequence[Optional[tuple[int, ...]]], scan: list[set[int]]
-                     ) -> list[int]:
+def kernels_mapping(area: tuple[str, ...], n: int, dims: set[int], candidates: list[int],
+                    segs: Sequence[tuple[str, ...]],
+                    shapes: Sequence[Optional[tuple[int, ...]]], scan: list[set[int]]
+                    ) -> list[int]:
   """Of `candidates`, the kernels under the module `area` that map an axis length in
   `dims` to `n` outputs: [d, n] (or [n, d] for a PyTorch `weight`)."""
-  return [i for i in candidates if segs[i][:len(area)] == area and not _kernels.is_vector(segs[i])
-          and _kernels.router_count(_paths.core_shape(shapes[i], scan[i]), segs[i][-1] == 'weight',
-                           dims) == n]
+  return [i for i in candidates if segs[i][:len(area)] == area
+          and not _vocabulary.is_vector(segs[i]) and _vocabulary.router_count(
+              _paths.core_shape(shapes[i], scan[i]), _vocabulary.is_torch_layout(segs[i]),
+              dims) == n]
+
+
+def _may_route(i: int, tiers: Sequence[Optional[str]], decided_by_name: Sequence[bool]
+               ) -> bool:
+  """Whether leaf `i` may be a router: undecided, or labelled `router`."""
+  return tiers[i] in (None, ROUTER) and not (decided_by_name[i] and tiers[i] != ROUTER)
+
+
+def _moe_layer_axis(members: Sequence[int], positions: Sequence[int],
+                    segs: Sequence[_paths.Segments], shapes: Sequence[Optional[tuple[int, ...]]],
+                    scan: Sequence[set[int]], tiers: Sequence[Optional[str]],
+                    decided_by_name: Sequence[bool]) -> Optional[int]:
+  """Of `positions` (each with one length in every member), the layer axis of stacked
+  MoE layers: the first one that, taken away, leaves a router kernel [d, E] and a bank
+  leaf [E, ..] (>= 3 axes, d among them) among `members`; None if there is none."""
+  for p in positions:
+    cores = {i: [shapes[i][q] for q in range(len(shapes[i])) if q != p and q not in scan[i]]
+             for i in members}
+    banks = [i for i in members if len(cores[i]) >= 3 and not (
+        decided_by_name[i] and tiers[i] not in (None, EXPERTS))]
+    for r in members:
+      if not _may_route(r, tiers, decided_by_name) or _vocabulary.is_vector(segs[r]):
+        continue
+      for b in banks:
+        e = _vocabulary.router_count(cores[r], _vocabulary.is_torch_layout(segs[r]),
+                                      set(cores[b][1:]))
+        if b != r and e is not None and e >= 2 and e == cores[b][0]:
+          return p
+  return None
+
+
+def _sibling_stacks(segs: Sequence[_paths.Segments], shapes: Sequence[Optional[tuple[int, ...]]],
+                    scan: Sequence[set[int]], tiers: Sequence[Optional[str]],
+                    decided_by_name: Sequence[bool]
+                    ) -> list[tuple[_paths.Segments, list[int], int]]:
+  """Stacked MoE layers among the children of one module (the root too) that no subtree
+  explained: `(module, members, layer axis)` per stack found, outer modules first.
+
+  A child (a leaf, or a subtree all of whose array leaves qualify) takes part when
+  nothing scanned it yet and it has >= 2 axes with the length `n` at position `p`; the
+  children sharing (p, n) are a stack when `_moe_layer_axis` finds a router and its bank
+  among them. Leaves beside them with other lengths there (an embedding [V, d] beside
+  the stack at the root) stay out.
+  """
+  arrays = [i for i, s in enumerate(shapes) if s is not None and not scan[i]]
+  # A stacked router has >= 3 axes: only the modules above one, and its axes, are tried.
+  routers = [i for i in arrays if len(shapes[i]) >= 3 and not _vocabulary.is_vector(segs[i])
+             and _may_route(i, tiers, decided_by_name)]
+  modules = sorted({segs[r][:k] for r in routers for k in range(len(segs[r]))}, key=len)
+  found = []
+  taken: set[int] = set()
+  for module in modules:
+    children: dict[str, list[int]] = {}
+    for i in arrays:
+      if i not in taken and len(segs[i]) > len(module) and segs[i][:len(module)] == module:
+        children.setdefault(segs[i][len(module)], []).append(i)
+    keys = sorted({(p, shapes[r][p]) for r in routers if r not in taken
+                   and segs[r][:len(module)] == module for p in range(len(shapes[r]))})
+    for p, n in keys:
+      members = [i for leaves in children.values()
+                 if all(len(shapes[i]) >= 2 and len(shapes[i]) > p and shapes[i][p] == n
+                        for i in leaves) for i in leaves]
+      if n >= 2 and len(members) >= 2 and _moe_layer_axis(
+          members, [p], segs, shapes, scan, tiers, decided_by_name) is not None:
+        found.append((module, members, p))
+        taken.update(members)
+        break
+  return found

@@ -7,19 +7,104 @@ router's input scale; a router bias or a per-expert scale), an expert axis name
 that the shape confirms on a leaf of another tier, experts without a router or a router
 without experts), with the rules that settle each; `warning.report` turns them into one
 `UnsureLabelWarning` per call (or a `ValueError` when strict).
+
+A bank may also be kept as separate leaves, one unit per expert (`numbered_units`):
+n >= 2 sibling units indexed 0..n-1 (list, tuple or `nnx.List` indices, dict keys '0',
+'1', ..., or `<stem>_0 .. <stem>_{n-1}`), of identical structure and shapes, beside a
+router candidate that maps a width all their matrices share to n outputs. Unrolled dense
+layers beside an unrelated [d, n] kernel look exactly the same, so that reading is only
+ever reported, never labelled.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Sequence
 
-from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
-from skewadam_jax.structure import rules as _rules
+from skewadam_jax.structure import name_rules as _name_rules
 from skewadam_jax.structure import stacks as _stacks
+from skewadam_jax.structure import vocabulary as _vocabulary
+from skewadam_jax.structure.vocabulary import BACKBONE
+from skewadam_jax.structure.vocabulary import EXPERTS
+from skewadam_jax.structure.vocabulary import ROUTER
 
 
 _RANKED_APART = 3  # rank >= 3 leaves in the default tier reported one line each
+
+
+@dataclasses.dataclass
+class Units:
+  """Sibling units indexed 0..n-1 of identical structure and shapes (an expert bank kept
+  as separate leaves, or unrolled dense layers) beside router candidates [d, n]."""
+  prefix: tuple[str, ...]  # lowercase segments of the module holding the units
+  stem: str  # the units' `<stem>_` ('' for indices and digit keys)
+  units: list[list[int]]  # each unit's leaves, unit 0 first
+  routers: list[int]  # kernels beside them mapping their shared width to n outputs
+
+
+def numbered_units(segs: Sequence[tuple[str, ...]],
+                   shapes: Sequence[Optional[tuple[int, ...]]], scan: Sequence[set[int]],
+                   free: Sequence[bool], router_ok: Sequence[bool]) -> list[Units]:
+  """Families of numbered units that may be an expert bank kept as separate leaves.
+
+  A family is the units `<module>/<i>` (or `<module>/<stem>_<i>`), i = 0..n-1 without
+  gaps, n >= 2, whose leaves are all `free`, are matrices or vectors (one matrix at
+  least: a leaf with more axes is reported as rank >= 3 anyway) and are the same from
+  unit to unit (paths below the unit, shapes, scanned axes). It is kept only if a
+  router candidate sits beside it, as `stacks` looks for one beside a stacked bank: a
+  `router_ok` kernel outside the units, under the module that holds the list (`q`
+  beside `u/0..`) or the units (`ffn/sel` beside `ffn/unit_0..`), a bare leaf there or
+  the kernel of a module of its own, whose core is [d, n] ([n, d] for a
+  PyTorch `weight`) with d an axis length that every matrix of a unit has.
+
+  Args:
+    segs: each leaf's lowercase normalised path segments.
+    shapes: each leaf's shape, or None for a leaf that is not an array.
+    scan: each leaf's scanned (layer) axes.
+    free: whether nothing (no rule, name or structure) decided the leaf's tier.
+    router_ok: whether the leaf may be a router (free, or labelled `router`).
+
+  Returns:
+    The families found, outer modules first.
+  """
+  families: dict[tuple[tuple[str, ...], str], dict[int, list[int]]] = {}
+  for i, s in enumerate(segs):
+    if shapes[i] is None:
+      continue
+    for k, seg in enumerate(s):
+      m = _vocabulary.NUMBERED_UNIT.match(seg)
+      if m:
+        key = (s[:k], m['stem'] or '')
+        families.setdefault(key, {}).setdefault(int(m['idx']), []).append(i)
+  found = []
+  for (prefix, stem), by_index in sorted(families.items(), key=lambda kv: len(kv[0][0])):
+    n = len(by_index)
+    if n < 2 or sorted(by_index) != list(range(n)):
+      continue
+    units = [by_index[e] for e in range(n)]
+    members = [i for unit in units for i in unit]
+    if not all(free[i] for i in members):
+      continue
+    # Each unit's leaves by their path below the unit, shape and scanned axes.
+    signatures = [sorted((segs[i][len(prefix) + 1:], shapes[i], tuple(sorted(scan[i])))
+                         for i in unit) for unit in units]
+    if any(sig != signatures[0] for sig in signatures[1:]):
+      continue
+    cores = [_paths.core_shape(shapes[i], scan[i]) for i in units[0]]
+    if any(len(c) not in (1, 2) for c in cores) or all(len(c) != 2 for c in cores):
+      continue
+    widths = set.intersection(*(set(c) for c in cores if len(c) == 2))
+    # The module beside which a router sits: the list's parent (`q` beside `u/0..`), or
+    # the parent of `<stem>_<i>` units, which take the place of the list.
+    area = prefix if stem else prefix[:-1]
+    inside = set(members)
+    near = [j for j in range(len(segs)) if j not in inside and shapes[j] is not None
+            and router_ok[j] and len(segs[j]) <= len(area) + 2]
+    routers = _stacks.kernels_mapping(area, n, widths, near, segs, shapes, scan)
+    if routers:
+      found.append(Units(prefix, stem, units, routers))
+  return found
 
 
 def _rule_hint(path: str, tier: str) -> str:
@@ -28,7 +113,7 @@ def _rule_hint(path: str, tier: str) -> str:
 
 def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]:
   """Numbered units of identical shapes beside a router candidate [d, n] that nothing
-  decided (`structure.stacks.numbered_units`), one line per router: an expert bank kept as
+  decided (`numbered_units`), one line per router: an expert bank kept as
   separate leaves and its router, or unrolled dense layers beside an unrelated kernel.
   Shapes cannot tell these apart, so the leaves keep the default tier and are reported
   (with the rules that settle it either way); sets each reported leaf's `note`."""
@@ -40,11 +125,11 @@ def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
     return leaf.source in ('default', 'dense rule') and not (
         use_axis_names and leaf.names_well_formed)
 
-  found = _stacks.numbered_units(
+  found = numbered_units(
       [x.segs for x in leaves], [x.shape if x.is_array else None for x in leaves],
       [x.scan for x in leaves], [free(x) for x in leaves],
-      [free(x) or x.tier == 'router' for x in leaves])
-  by_routers: dict[tuple[int, ...], list[_stacks.Units]] = {}
+      [free(x) or x.tier == ROUTER for x in leaves])
+  by_routers: dict[tuple[int, ...], list[Units]] = {}
   for family in found:
     by_routers.setdefault(tuple(family.routers), []).append(family)
   lines = []
@@ -65,7 +150,7 @@ def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
                 if x.segs[:-1] == module and free(x) and (own or x.core == (n,))
                 and j not in inside and j not in routers and j not in along]
     tier = leaves[members[0]].tier
-    label = [(p, 'experts') for p in patterns] + [(p, 'router') for p in router_rules]
+    label = [(p, EXPERTS) for p in patterns] + [(p, ROUTER) for p in router_rules]
     confirm = [(p, tier) for p in patterns]
     shown = ', '.join(f'{leaves[r].path} {list(leaves[r].shape)}' for r in routers)
     if along:
@@ -88,7 +173,7 @@ def _unit_findings(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
   return lines
 
 
-def _unit_pattern(leaves: list[_paths.Leaf], family: _stacks.Units) -> str:
+def _unit_pattern(leaves: list[_paths.Leaf], family: Units) -> str:
   """A rule pattern for the units of `family`, as written in the paths: `u/*` for a
   list, `ffn/unit_*` for `<stem>_<i>` modules, `ffn/[0-9]*` for digit keys among
   others."""
@@ -110,12 +195,12 @@ def _router_inputs(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
   lines = []
   for router in leaves:
     core = router.core
-    if router.tier != 'router' or len(core) != 2 or _kernels.is_vector(router.segs):
+    if router.tier != ROUTER or len(core) != 2 or _vocabulary.is_vector(router.segs):
       continue
     module = router.segs[:-1]
-    if not any(x.tier == 'experts' and x.segs[:-1] == module for x in leaves):
+    if not any(x.tier == EXPERTS and x.segs[:-1] == module for x in leaves):
       continue  # the bank has a module of its own: the block's vectors are its norms
-    d = core[1] if router.segs[-1] == 'weight' else core[0]
+    d = _vocabulary.kernel_sides(core, _vocabulary.is_torch_layout(router.segs))[1]
     for leaf in leaves:
       if leaf.segs[:-1] != module or leaf.source != 'default' or leaf.core != (d,) or (
           leaf.note or (use_axis_names and leaf.names_well_formed)):
@@ -125,7 +210,7 @@ def _router_inputs(leaves: list[_paths.Leaf], use_axis_names: bool) -> list[str]
                 f'name tells apart; left in {leaf.tier!r} by default')
       leaf.note = f'UNSURE: {reason}'
       lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it scales the '
-                   f"router's input, label it: {_rule_hint(leaf.path, 'router')}, or "
+                   f"router's input, label it: {_rule_hint(leaf.path, ROUTER)}, or "
                    f'confirm it: {_rule_hint(leaf.path, leaf.tier)}')
   return lines
 
@@ -139,10 +224,10 @@ def _bias_or_scale(leaves: list[_paths.Leaf]) -> list[str]:
   found: list[tuple[_paths.Leaf, _paths.Leaf]] = []
   for router in leaves:
     core = router.core
-    if router.tier != 'router' or len(core) != 2 or _kernels.is_vector(router.segs):
+    if router.tier != ROUTER or len(core) != 2 or _vocabulary.is_vector(router.segs):
       continue
-    module, e = router.segs[:-1], min(core)
-    if not any(x.tier == 'experts' and x.segs[:-1] == module and len(x.core) >= 2
+    module, e = router.segs[:-1], _vocabulary.expert_count(core)
+    if not any(x.tier == EXPERTS and x.segs[:-1] == module and len(x.core) >= 2
                and x.core[0] == e for x in leaves):
       continue  # the bank has a module of its own: a vector [E] here is the router's
     for leaf in leaves:
@@ -155,7 +240,7 @@ def _bias_or_scale(leaves: list[_paths.Leaf]) -> list[str]:
   if not found:
     return []
   leaf, router = found[0]
-  other = 'experts' if leaf.tier == 'router' else 'router'
+  other = EXPERTS if leaf.tier == ROUTER else ROUTER
   shown = ', '.join(f'{x.path} {list(x.shape)} ({x.tier})' for x, _ in found)
   return [f'{shown}: vectors [E] beside a router kernel [d, E] ({router.path}, ...) and '
           "the leaves of its bank in one module: the router's selection bias or a "
@@ -172,7 +257,7 @@ def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
   it keeps it and is reported, with the rules that settle it."""
   banks: dict[tuple[str, ...], list[_paths.Leaf]] = {}
   for leaf in leaves:
-    if leaf.tier == 'experts' and leaf.source == 'structure' and leaf.count:
+    if leaf.tier == EXPERTS and leaf.source == 'structure' and leaf.count:
       banks.setdefault(leaf.unit, []).append(leaf)
   lines = []
   for members in banks.values():
@@ -195,7 +280,7 @@ def _odd_members(leaves: list[_paths.Leaf]) -> list[str]:
                 f'== E)')
       leaf.note = f'UNSURE: {reason}'
       lines.append(f'{leaf.path} {list(leaf.shape)}: {reason}; if it is dense, label it: '
-                   f"{_rule_hint(leaf.path, 'backbone')}, or confirm it: "
+                   f"{_rule_hint(leaf.path, BACKBONE)}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
   return lines + _doubtful_banks(leaves)
 
@@ -209,17 +294,17 @@ def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
   found below its module (`{router, experts: [...], wo [E, hd, d]}`: one router, one
   bank). No shape tells; every such leaf keeps its guess and is reported."""
   widest = max((x.core[0] for x in leaves if len(x.core) == 1 and x.tier not in (
-      'experts', 'router')), default=None)
+      EXPERTS, ROUTER)), default=None)
   modules: dict[tuple[str, ...], list[_paths.Leaf]] = {}
   for leaf in leaves:
-    if leaf.tier in ('experts', 'router') and leaf.source == 'structure':
+    if leaf.tier in (EXPERTS, ROUTER) and leaf.source == 'structure':
       modules.setdefault(leaf.segs[:-1], []).append(leaf)
   lines = []
   for module, members in modules.items():
-    counts = {x.count for x in members if x.tier == 'experts' and x.count}
+    counts = {x.count for x in members if x.tier == EXPERTS and x.count}
     # (a bank the names found below this module: its router serves that one)
     # (or numbered units reported beside a router candidate, which may be that bank)
-    named = any((x.tier == 'experts' and x.source != 'structure' or x.note.startswith(
+    named = any((x.tier == EXPERTS and x.source != 'structure' or x.note.startswith(
         'UNSURE: one of')) and len(x.segs) > len(module) + 1
         and x.segs[:len(module)] == module for x in leaves)
     if len(counts) < 2 and not (counts and widest and max(counts) >= widest) and not (
@@ -236,16 +321,16 @@ def _doubtful_banks(leaves: list[_paths.Leaf]) -> list[str]:
           f"beside a router candidate, read from shapes alone in {'/'.join(module)}: "
           'at most one is a bank, and E < d (a length shared by coincidence reads as '
           'another), which no shape tells; labelled as shown; label the dense ones, e.g. '
-          f"{_rule_hint(found[0].path, 'backbone')}")
+          f"{_rule_hint(found[0].path, BACKBONE)}")
   return lines
 
 
 def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
-            found: Optional[_stacks.Structure] = None) -> list[str]:
+            found: Optional[_stacks.StacksAndBanks] = None) -> list[str]:
   """Unsure leaves, one line per finding; also sets each reported leaf's `note`."""
   lines = (_unit_findings(leaves, use_axis_names) + _bias_or_scale(leaves)
            + _router_inputs(leaves, use_axis_names) + _odd_members(leaves))
-  counts = _rules.router_counts(leaves)
+  counts = _name_rules.router_counts(leaves)
   for line, members in (found.confusions if found is not None else ()):
     for i in members:
       leaves[i].note = 'UNSURE: a stack of layers or a bank of experts (see the warning)'
@@ -264,30 +349,30 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
       leaf.note = f'UNSURE: {reason}'
       ranked.append(leaf)
       lines.append(f"{where}: {reason}; if it is an expert bank, label it: "
-                   f"{_rule_hint(leaf.path, 'experts')}, or confirm it: "
+                   f"{_rule_hint(leaf.path, EXPERTS)}, or confirm it: "
                    f'{_rule_hint(leaf.path, leaf.tier)}')
     # An expert axis name where the shape agrees (a router maps to its length): a bank
     # that a dense name (`ffn`) or the default left in another tier. Never on a leaf a
     # rule names (`*embed*`, `*attn*`): sharding names are hints, not structure.
-    axis = _rules.confirmed_expert_axis(leaf, counts)
-    if axis is not None and leaf.tier not in ('experts', 'router') and leaf.source not in (
+    axis = _name_rules.confirmed_expert_axis(leaf, counts)
+    if axis is not None and leaf.tier not in (EXPERTS, ROUTER) and leaf.source not in (
         'rule', 'default rule'):
       reason = f'axis {axis} is named {leaf.names[axis]!r} but the leaf is {leaf.tier!r}'
       leaf.note = f'UNSURE: {reason}'
-      lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, 'experts')}, or "
+      lines.append(f"{where}: {reason}; label it: {_rule_hint(leaf.path, EXPERTS)}, or "
                    'pass param_labels=sj.moe_param_labels(params, use_axis_names=True)')
   if len(ranked) > _RANKED_APART:  # one line naming them all (the warning shows 10 lines)
     lines = [x for x in lines if not any(x.startswith(f'{y.path} [') for y in ranked)]
     lines.append(f"{', '.join(f'{x.path} {list(x.shape)}' for x in ranked)}: rank >= 3 "
                  f"leaves left in {ranked[0].tier!r} by default (no rule or structure says "
                  "what they are); if one is an expert bank, label it, e.g. "
-                 f"{_rule_hint(ranked[0].path, 'experts')}, or confirm it: "
+                 f"{_rule_hint(ranked[0].path, EXPERTS)}, or confirm it: "
                  f'{_rule_hint(ranked[0].path, ranked[0].tier)}')
-  routers = [x for x in leaves if x.tier == 'router']
-  experts = [x for x in leaves if x.tier == 'experts']
+  routers = [x for x in leaves if x.tier == ROUTER]
+  experts = [x for x in leaves if x.tier == EXPERTS]
   for mine, others, what, missing, hint in (
-      (experts, routers, 'experts', 'router', '<router module>'),
-      (routers, experts, 'router', 'experts', '<expert bank>')):
+      (experts, routers, EXPERTS, ROUTER, '<router module>'),
+      (routers, experts, ROUTER, EXPERTS, '<expert bank>')):
     guessed = [x for x in mine if x.source != 'rule']
     if not guessed or others:
       continue
@@ -298,5 +383,5 @@ def findings(leaves: list[_paths.Leaf], use_axis_names: bool,
     more = f' and {len(guessed) - 5} more' if len(guessed) > 5 else ''
     lines.append(f'{shown}{more}: {reason}; label the {missing} with a rule, e.g. '
                  f'{_rule_hint(hint, missing)}, or these leaves, e.g. '
-                 f"{_rule_hint(guessed[0].path, 'backbone')}")
+                 f"{_rule_hint(guessed[0].path, BACKBONE)}")
   return lines

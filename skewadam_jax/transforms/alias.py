@@ -22,6 +22,8 @@ from skewadam_jax.transforms import tiers as _tiered
 from skewadam_jax.transforms import plan as _plan
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.core import tree as _tree
+from skewadam_jax.structure.vocabulary import HIDDEN
+from skewadam_jax.structure.vocabulary import UNDECIDED
 
 
 def _chain(where: str, *transforms: optax.GradientTransformation
@@ -61,7 +63,7 @@ def tier_labeler(tiers: Mapping[str, _tier.Tier], param_labels: Any = None
   def labeler(params: Any) -> Any:
     if isinstance(param_labels, _traced.Structure):  # the hidden tier from the roles
       labels = param_labels.labels_for(tiers)
-    elif param_labels is None and _hidden.HIDDEN_TIER in tiers:
+    elif param_labels is None and HIDDEN in tiers:
       labels = _hidden.hidden_param_labels(params)
     else:
       labels = _labels.resolve_labels(params, param_labels)
@@ -156,10 +158,10 @@ def skewadam(
   if isinstance(param_labels, _traced.Structure):
     if batch_axes is None:
       batch_axes = param_labels.batch_axes
-    if param_labels.undecided and _tier.UNDECIDED_TIER not in tiers:
+    if param_labels.undecided and UNDECIDED not in tiers:
       # The same safe rule under every policy: nothing shared across an axis that the
       # analysis could not clear (a policy naming the tier itself keeps its own).
-      tiers[_tier.UNDECIDED_TIER] = _tier.undecided_tier(tiers)
+      tiers[UNDECIDED] = _tier.undecided_tier(tiers)
   labeler = tier_labeler(tiers, param_labels)
   # The built-in labeler reports unsure subtrees (a stack or a bank?) itself.
   labeler_reports = param_labels is None or isinstance(param_labels, _labels.Labeler)

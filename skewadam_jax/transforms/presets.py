@@ -27,7 +27,10 @@ from skewadam_jax.estimators import codec as _codec
 from skewadam_jax.estimators import factored as _factored
 from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.structure import warning as _warning
-
+from skewadam_jax.structure.vocabulary import BACKBONE
+from skewadam_jax.structure.vocabulary import EXPERTS
+from skewadam_jax.structure.vocabulary import HIDDEN
+from skewadam_jax.structure.vocabulary import ROUTER
 from skewadam_jax.transforms.tier import Tier
 
 
@@ -138,9 +141,9 @@ def _frozen(tiers: dict[str, Tier], name: str) -> FrozenTiers:
 
 
 PUBLISHED_TIERS: FrozenTiers = FrozenTiers(name='PUBLISHED_TIERS', tiers={
-    'backbone': Tier(momentum=True, second_moment='factored'),
-    'experts': Tier(momentum=False, second_moment='factored'),
-    'router': Tier(momentum=False, second_moment='exact', apply_weight_decay=False),
+    BACKBONE: Tier(momentum=True, second_moment='factored'),
+    EXPERTS: Tier(momentum=False, second_moment='factored'),
+    ROUTER: Tier(momentum=False, second_moment='exact', apply_weight_decay=False),
 })
 
 # Beyond the paper: with tiny expert and router gradients (RMS ~1e-5 at init) the
@@ -149,10 +152,10 @@ PUBLISHED_TIERS: FrozenTiers = FrozenTiers(name='PUBLISHED_TIERS', tiers={
 # Additive eps and an fp32 router momentum (a [d, E] kernel: a few KB) make AdamW's lr
 # work; the tiers and their state are otherwise the published ones.
 ADAM_EPS_TIERS: FrozenTiers = FrozenTiers(name='ADAM_EPS_TIERS', tiers={
-    'backbone': Tier(momentum=True, second_moment='factored', eps_mode='adam'),
-    'experts': Tier(momentum=False, second_moment='factored', eps_mode='adam'),
-    'router': Tier(momentum=True, second_moment='exact', eps_mode='adam',
-                   apply_weight_decay=False),
+    BACKBONE: Tier(momentum=True, second_moment='factored', eps_mode='adam'),
+    EXPERTS: Tier(momentum=False, second_moment='factored', eps_mode='adam'),
+    ROUTER: Tier(momentum=True, second_moment='exact', eps_mode='adam',
+                 apply_weight_decay=False),
 })
 
 # The published floor slows the router most: its gradients are the smallest, and while
@@ -160,9 +163,9 @@ ADAM_EPS_TIERS: FrozenTiers = FrozenTiers(name='ADAM_EPS_TIERS', tiers={
 # Adam router (additive eps, fp32 momentum) on the published backbone and experts keeps
 # the published lr and ends that dead-expert phase sooner, for one router-sized buffer.
 ADAM_ROUTER_TIERS: FrozenTiers = FrozenTiers(name='ADAM_ROUTER_TIERS', tiers={
-    'backbone': PUBLISHED_TIERS['backbone'],
-    'experts': PUBLISHED_TIERS['experts'],
-    'router': PUBLISHED_TIERS['router'].replace(momentum=True, eps_mode='adam'),
+    BACKBONE: PUBLISHED_TIERS[BACKBONE],
+    EXPERTS: PUBLISHED_TIERS[EXPERTS],
+    ROUTER: PUBLISHED_TIERS[ROUTER].replace(momentum=True, eps_mode='adam'),
 })
 
 
@@ -178,13 +181,13 @@ ADAM_ROUTER_TIERS: FrozenTiers = FrozenTiers(name='ADAM_ROUTER_TIERS', tiers={
 # router of ADAM_ROUTER_TIERS. The tier names: `hidden_param_labels` labels the hidden
 # matrices `hidden`, and `skewadam` uses it when the tiers have a `hidden` tier.
 MUON_TIERS: FrozenTiers = FrozenTiers(name='MUON_TIERS', tiers={
-    'backbone': PUBLISHED_TIERS['backbone'],
-    'hidden': Tier(momentum=True, nesterov=True, b1=0.95, second_moment='orthogonal',
-                   clip_threshold=None),
-    'experts': Tier(momentum=False,
-                    second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
-                    clip_threshold=None),
-    'router': ADAM_ROUTER_TIERS['router'],
+    BACKBONE: PUBLISHED_TIERS[BACKBONE],
+    HIDDEN: Tier(momentum=True, nesterov=True, b1=0.95, second_moment='orthogonal',
+                 clip_threshold=None),
+    EXPERTS: Tier(momentum=False,
+                  second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
+                  clip_threshold=None),
+    ROUTER: ADAM_ROUTER_TIERS[ROUTER],
 })
 
 # MUON_TIERS with Muon's per-expert momentum back, in low-bit codes. The experts
@@ -207,15 +210,15 @@ MUON_TIERS: FrozenTiers = FrozenTiers(name='MUON_TIERS', tiers={
 # gain, a bias) keeps an fp32 momentum; its codes would save a few KB and cost the first
 # step kernels compiled for its shape alone (benchmarks/compile_time.py).
 MUON_CODED_TIERS: FrozenTiers = FrozenTiers(name='MUON_CODED_TIERS', tiers={
-    'backbone': PUBLISHED_TIERS['backbone'].replace(
+    BACKBONE: PUBLISHED_TIERS[BACKBONE].replace(
         mu_codec=_codec.Blockwise(8, 256, 'linear', fit='nearest', min_size=4096)),
-    'hidden': MUON_TIERS['hidden'].replace(
+    HIDDEN: MUON_TIERS[HIDDEN].replace(
         mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest', min_size=4096)),
-    'experts': Tier(momentum=True, nesterov=True, b1=0.95,
-                    second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
-                    clip_threshold=None,
-                    mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest', min_size=4096)),
-    'router': ADAM_ROUTER_TIERS['router'],
+    EXPERTS: Tier(momentum=True, nesterov=True, b1=0.95,
+                  second_moment=_orthogonal.Orthogonal(fallback=_factored.FACTORED),
+                  clip_threshold=None,
+                  mu_codec=_codec.Blockwise(6, 256, 'linear', fit='nearest', min_size=4096)),
+    ROUTER: ADAM_ROUTER_TIERS[ROUTER],
 })
 
 
@@ -264,7 +267,7 @@ def tiers_argument(tiers: Any) -> str:
 def policy_of(tiers: Any) -> _warning.Policy:
   """The user's `tiers` argument as the `UnsureLabelWarning`'s fix prints it."""
   try:
-    hidden = tiers is not None and 'hidden' in tiers
+    hidden = tiers is not None and HIDDEN in tiers
   except TypeError:
     hidden = False
   return _warning.Policy(tiers_argument(tiers), hidden)

@@ -22,6 +22,7 @@ from skewadam_jax.estimators import grouped as _grouped
 from skewadam_jax.estimators import orthogonal as _orthogonal
 from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.estimators import codec as _codec
+from skewadam_jax.structure.vocabulary import BACKBONE
 
 SECOND_MOMENTS = ('exact', 'factored', 'grouped', 'orthogonal')
 EPS_MODES = ('floor', 'adam')
@@ -155,10 +156,6 @@ class Tier:
             'orthogonal': _orthogonal.ORTHOGONAL}[self.second_moment]
 
 
-# The tier name of the leaves `sj.trace_structure` leaves undecided (`Structure.undecided`).
-UNDECIDED_TIER = 'undecided'
-
-
 def undecided_tier(tiers: Any) -> Tier:
   """The safe rule for a leaf whose structure is undecided, the same under every policy.
 
@@ -177,5 +174,5 @@ def undecided_tier(tiers: Any) -> Tier:
   Returns:
     The `Tier` of the undecided leaves.
   """
-  base = tiers.get('backbone', Tier()) if isinstance(tiers, Mapping) else Tier()
+  base = tiers.get(BACKBONE, Tier()) if isinstance(tiers, Mapping) else Tier()
   return base.replace(second_moment='exact', clip_threshold=None, mu_codec=None)

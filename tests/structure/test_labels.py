@@ -11,7 +11,7 @@ from flax import linen as nn
 from flax import nnx
 
 import skewadam_jax as sj
-from skewadam_jax.structure import rules as _rules
+from skewadam_jax.structure import name_rules as _name_rules
 from skewadam_jax.structure import paths as _paths
 import moe_models as mm
 
@@ -58,7 +58,7 @@ def test_whole_segments_only():
   assert _paths.match_path('*moe*/**/wo', 'decoder/MoeBlock_0/wo')
   assert _paths.match_path('*moe*/**/wo', 'decoder/moe/inner/wo')
   assert not _paths.match_path('*moe*/**/wo', 'decoder/mlp/wo')
-  assert _rules.label_for_path('anything/else') == 'backbone'
+  assert _name_rules.label_for_path('anything/else') == 'backbone'
 
 
 def test_user_rules_come_first_and_default_is_backbone():

@@ -96,12 +96,8 @@ family), `masks` (expert-id masks), `units` (units joined along an axis), `decid
 
 from skewadam_jax.structure.traced.api import TraceWarning
 from skewadam_jax.structure.traced.api import trace_structure
-from skewadam_jax.structure.traced.results import BACKBONE
-from skewadam_jax.structure.traced.results import EXPERTS
 from skewadam_jax.structure.traced.results import LeafStructure
-from skewadam_jax.structure.traced.results import ROUTER
 from skewadam_jax.structure.traced.results import RoutingDecision
 from skewadam_jax.structure.traced.results import Structure
 
-__all__ = ['BACKBONE', 'EXPERTS', 'LeafStructure', 'ROUTER', 'RoutingDecision', 'Structure',
-           'TraceWarning', 'trace_structure']
+__all__ = ['LeafStructure', 'RoutingDecision', 'Structure', 'TraceWarning', 'trace_structure']

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import jax
 
+from skewadam_jax.structure import vocabulary as _vocabulary
 from skewadam_jax.structure.traced import analysis as _analysis
 from skewadam_jax.structure.traced import info as _info
 from skewadam_jax.structure.traced import results as _results
@@ -78,17 +79,17 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
     masker = analysis.decision(min(gated[k])) if units else None
     per_unit = [a for a in pieces if masker and shape[a] == masker.num_experts]
     if k in routers:
-      tier = _results.ROUTER
+      tier = _vocabulary.ROUTER
       decs = sorted(routers[k])
       d = analysis.decision(decs[0])
       notes.insert(0, f'produces the logits of {d.primitive} over E={d.num_experts} experts')
     elif k in inputs:
-      tier = _results.ROUTER
+      tier = _vocabulary.ROUTER
       d = analysis.decision(min(inputs[k]))
       notes.insert(0, f'reaches the outputs only through the logits of {d.primitive} over '
                    f'E={d.num_experts} experts')
     elif found:
-      tier = _results.EXPERTS
+      tier = _vocabulary.EXPERTS
       expert_axis = max(sorted(found), key=lambda a: sum(len(v) for v in found[a].values()))
       reasons = sorted(found[expert_axis])
       notes.insert(0, f'axis {expert_axis} (E={shape[expert_axis]}) ' + '; '.join(reasons))
@@ -97,13 +98,13 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
                            f'{expert_axis}')
     elif masker and (len(units) > 1 or None in units) and len(per_unit) == 1:
       # A stacked bank applied unit by unit in a loop (`w[e]` masked by `ids == e`).
-      tier, expert_axis = _results.EXPERTS, per_unit[0]
+      tier, expert_axis = _vocabulary.EXPERTS, per_unit[0]
       notes.insert(0, f'axis {expert_axis} (E={masker.num_experts}) taken apart into '
                    f'units, reaching the outputs only through masks of {masker.primitive}\'s '
                    'expert ids')
     elif len(units) == 1 and None not in units:
       # One unit of a bank stored as separate leaves: experts, one matrix (no expert axis).
-      tier = _results.EXPERTS
+      tier = _vocabulary.EXPERTS
       d = analysis.decision(min(gated[k]))
       how = ('is joined at position {} of an axis that meets the experts of {}'
              if k in analysis.joined else
@@ -111,7 +112,7 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
       notes.insert(0, how.format(units.pop(), d.primitive) +
                    f' (one unit of E={d.num_experts})')
     else:
-      tier = _results.BACKBONE
+      tier = _vocabulary.BACKBONE
       notes.insert(0, 'dense')
       why = _why_undecided(analysis, k, shape, used[k], candidates, blind, lost, units,
                            gated)
@@ -139,9 +140,9 @@ def decide(analysis: _analysis.Analysis, paths: list[str], shapes: list[tuple[in
                       if dec in routers.get(k, inputs.get(k, ()))),
         experts=tuple(sorted({paths[leaf] for (leaf, _), why in analysis.banks.items()
                               if any(dec in v for v in why.values())
-                              and rows[leaf].tier == _results.EXPERTS} |
+                              and rows[leaf].tier == _vocabulary.EXPERTS} |
                              {paths[leaf] for leaf, decs in gated.items()
-                              if dec in decs and rows[leaf].tier == _results.EXPERTS}))))
+                              if dec in decs and rows[leaf].tier == _vocabulary.EXPERTS}))))
   return _results.Structure(labels=jax.tree_util.tree_unflatten(treedef, labels),
                    batch_axes=jax.tree_util.tree_unflatten(treedef, batch_axes),
                    leaves=tuple(rows), decisions=tuple(decisions), undecided=undecided)
@@ -207,19 +208,19 @@ def _role(analysis: _analysis.Analysis, k: int, tier: str, ndim: int) -> tuple[s
     (role, evidence).
   """
   uses = {use: line for (leaf, use), line in analysis.uses.items() if leaf == k}
-  if tier == _results.ROUTER:
-    return (_results.ROUTER_MATRIX if ndim >= 2 else _results.ROUTER_BIAS), ''
-  if tier == _results.EXPERTS:
-    return (_results.EXPERT_BANK if ndim >= 2 else _results.EXPERT_VECTOR), ''
+  if tier == _vocabulary.ROUTER:
+    return (_vocabulary.ROUTER_MATRIX if ndim >= 2 else _vocabulary.ROUTER_BIAS), ''
+  if tier == _vocabulary.EXPERTS:
+    return (_vocabulary.EXPERT_BANK if ndim >= 2 else _vocabulary.EXPERT_VECTOR), ''
   if 'gathered' in uses:
-    return _results.EMBEDDING, f'rows gathered at {uses["gathered"]}'
+    return _vocabulary.EMBEDDING, f'rows gathered at {uses["gathered"]}'
   if 'input' in uses and 'contracted' not in uses:  # the first layer: never hidden
-    return _results.EMBEDDING, f'a convolution of the raw inputs at {uses["input"]}'
+    return _vocabulary.EMBEDDING, f'a convolution of the raw inputs at {uses["input"]}'
   if 'contracted' in uses and k in analysis.out_last:
-    return _results.OUTPUT_LAYER, (f'contracted with activations at {uses["contracted"]}, '
+    return _vocabulary.OUTPUT_LAYER, (f'contracted with activations at {uses["contracted"]}, '
                                    'nothing contracted after it')
   if 'contracted' in uses and ndim >= 2:
-    return _results.HIDDEN_MATRIX, f'contracted with activations at {uses["contracted"]}'
+    return _vocabulary.HIDDEN_MATRIX, f'contracted with activations at {uses["contracted"]}'
   if 'aligned' in uses:
-    return _results.BIAS_GAIN, f'applied elementwise to activations at {uses["aligned"]}'
-  return _results.OTHER, ''
+    return _vocabulary.BIAS_GAIN, f'applied elementwise to activations at {uses["aligned"]}'
+  return _vocabulary.OTHER, ''

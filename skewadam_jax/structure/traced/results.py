@@ -8,21 +8,12 @@ from typing import Any, Optional
 import jax
 
 from skewadam_jax.estimators import orthogonal as _orthogonal
-
-BACKBONE, EXPERTS, ROUTER = 'backbone', 'experts', 'router'
-HIDDEN = 'hidden'  # the tier a Muon-style policy orthogonalises (`sj.MUON_TIERS`)
-# The tier of undecided leaves: `sj.skewadam` adds it to every policy, with the safe rule
-# (`transforms.tier.undecided_tier`): nothing shared across any axis of the leaf.
-UNDECIDED = 'undecided'
-
-# What a leaf does in the computation (`LeafStructure.role`).
-HIDDEN_MATRIX = 'hidden matrix'  # multiplied with activations: what Muon is for
-EMBEDDING = 'embedding'  # rows gathered by token ids or positions
-OUTPUT_LAYER = 'output layer'  # the last contraction before the outputs (the logits)
-BIAS_GAIN = 'bias/gain'  # added to or multiplying activations elementwise
-ROUTER_MATRIX, ROUTER_BIAS = 'router', 'router bias'
-EXPERT_BANK, EXPERT_VECTOR = 'expert bank', 'per-expert vector'
-OTHER = 'other'  # none of these (read only by ops that give no role)
+from skewadam_jax.structure import vocabulary as _vocabulary
+from skewadam_jax.structure.vocabulary import BACKBONE
+from skewadam_jax.structure.vocabulary import HIDDEN
+from skewadam_jax.structure.vocabulary import HIDDEN_MATRIX
+from skewadam_jax.structure.vocabulary import OTHER
+from skewadam_jax.structure.vocabulary import UNDECIDED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +26,7 @@ class LeafStructure:
   evidence: str  # why, in words
   expert_axis: Optional[int] = None
   layer_axes: tuple[int, ...] = ()
-  role: str = OTHER  # what it does: HIDDEN_MATRIX, EMBEDDING, OUTPUT_LAYER, ...
+  role: str = OTHER  # what it does: a role of `vocabulary` (HIDDEN_MATRIX, EMBEDDING, ...)
   role_evidence: str = ''  # the equation (the user's line) that decided it ('': the tier's)
 
 
@@ -121,7 +112,7 @@ class Structure:
     fmt = '  '.join(f'{{:<{w}}}' for w in widths) + '  {}'
     lines = [fmt.format(*header), fmt.format(*('-' * w for w in widths), '-' * 8)]
     lines += [fmt.format(*row).rstrip() for row in body]
-    counts = {t: sum(x.tier == t for x in self.leaves) for t in (BACKBONE, EXPERTS, ROUTER)}
+    counts = {t: sum(x.tier == t for x in self.leaves) for t in _vocabulary.MOE_TIERS}
     lines.append(f'{len(self.leaves)} leaves: ' + ', '.join(f'{n} {t}' for t, n in
                                                             counts.items()))
     for d in self.decisions:

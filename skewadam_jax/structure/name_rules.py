@@ -2,17 +2,20 @@
 
 A leaf's tier is first decided by names: the user's rules, numbered sibling modules
 (`expert_0 .. expert_{n-1}`), `DEFAULT_RULES`, and, where asked, logical axis names.
-`DENSE_RULES` come last, after the structure read from shapes (`shapes`). Every rule
+`DENSE_RULES` come last, after the structure read from shapes (`shape_rules`). Every rule
 is a `(pattern, tier)` pair of whole-segment globs, first match wins (`paths`).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Iterable, Optional, Sequence
 
-from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
+from skewadam_jax.structure.vocabulary import BACKBONE
+from skewadam_jax.structure.vocabulary import DEFAULT_TIER
+from skewadam_jax.structure.vocabulary import EXPERTS
+from skewadam_jax.structure.vocabulary import ROUTER
+from skewadam_jax.structure import vocabulary as _vocabulary
 
 Rule = tuple[str, str]  # (pattern, tier): pattern is '/'-separated segment globs.
 
@@ -22,59 +25,44 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     # Shared experts see every token: dense, whatever their inside is called. Covers
     # DeepSeek/Llama 4 `shared_experts`, Qwen `shared_expert` and its output gate
     # `shared_expert_gate` [d, 1] (it routes nothing), Linen `SharedExpert_0`.
-    ('*shared_expert*', 'backbone'),
-    ('*sharedexpert*', 'backbone'),
-    ('*shared_mlp*', 'backbone'),
-    ('*shared_ffn*', 'backbone'),
+    ('*shared_expert*', BACKBONE),
+    ('*sharedexpert*', BACKBONE),
+    ('*shared_mlp*', BACKBONE),
+    ('*shared_ffn*', BACKBONE),
     # Expert banks. An expert's own sub-module called `gate` stays an expert.
-    ('routed_experts/gate', 'router'),  # MaxText Qwen3-Next: the router inside the bank
-    ('experts', 'experts'),  # Flax/NNX MoE layers, EasyDeL, HF-style experts/w1..w3
-    ('routed_experts', 'experts'),  # MaxText Qwen3-Next
-    ('expert', 'experts'),  # Flaxformer
-    ('*moe*/**/wi_0', 'experts'),  # MaxText MoeBlock: bare wi_0, wi_1, wo kernels
-    ('*moe*/**/wi_1', 'experts'),
-    ('*moe*/**/wi', 'experts'),
-    ('*moe*/**/wo', 'experts'),
-    ('*moe*/**/wi_0_bias', 'experts'),  # and their per-expert biases
-    ('*moe*/**/wi_1_bias', 'experts'),
-    ('*moe*/**/wi_bias', 'experts'),
-    ('*moe*/**/wo_bias', 'experts'),
-    ('per_expert_*', 'experts'),  # gemma / MaxText Gemma 4 `per_expert_scale` [E]
+    ('routed_experts/gate', ROUTER),  # MaxText Qwen3-Next: the router inside the bank
+    ('experts', EXPERTS),  # Flax/NNX MoE layers, EasyDeL, HF-style experts/w1..w3
+    ('routed_experts', EXPERTS),  # MaxText Qwen3-Next
+    ('expert', EXPERTS),  # Flaxformer
+    ('*moe*/**/wi_0', EXPERTS),  # MaxText MoeBlock: bare wi_0, wi_1, wo kernels
+    ('*moe*/**/wi_1', EXPERTS),
+    ('*moe*/**/wi', EXPERTS),
+    ('*moe*/**/wo', EXPERTS),
+    ('*moe*/**/wi_0_bias', EXPERTS),  # and their per-expert biases
+    ('*moe*/**/wi_1_bias', EXPERTS),
+    ('*moe*/**/wi_bias', EXPERTS),
+    ('*moe*/**/wo_bias', EXPERTS),
+    ('per_expert_*', EXPERTS),  # gemma / MaxText Gemma 4 `per_expert_scale` [E]
     # Dense modules that routers and experts are never inside of.
-    ('*attention*', 'backbone'),
-    ('*attn*', 'backbone'),
-    ('*norm*', 'backbone'),
-    ('*embed*', 'backbone'),
-    ('wq', 'backbone'),  # attention projections stored flat (`layer/{wq, wk, wv, w1, ...}`;
-    ('wk', 'backbone'),  # not `wo`: MoE banks are called that too)
-    ('wv', 'backbone'),
+    *((p, BACKBONE) for p in _vocabulary.ATTENTION_MODULES),  # `*attention*`, `*attn*`
+    ('*norm*', BACKBONE),
+    ('*embed*', BACKBONE),
+    ('wq', BACKBONE),  # attention projections stored flat (`layer/{wq, wk, wv, w1, ...}`;
+    ('wk', BACKBONE),  # not `wo`: MoE banks are called that too)
+    ('wv', BACKBONE),
     # Routers.
-    ('*router*', 'router'),  # router, gemma router_logits/router_scale, router_weights
-    ('gate', 'router'),  # MaxText, HF Mixtral `block_sparse_moe/gate` (not `gate_proj`)
-    ('pre_forward_scale_2', 'router'),  # MaxText Gemma 4: the router's input scale
+    ('*router*', ROUTER),  # router, gemma router_logits/router_scale, router_weights
+    ('gate', ROUTER),  # MaxText, HF Mixtral `block_sparse_moe/gate` (not `gate_proj`)
+    ('pre_forward_scale_2', ROUTER),  # MaxText Gemma 4: the router's input scale
 )
 
 # Dense MLP blocks: backbone. Checked after the structural recognition, because some
 # MoE blocks are called `mlp` (gemma's `mlp` is its MoE, `mlp2` the dense branch); a
 # leaf these name is known dense, so it is not reported as unsure.
 DENSE_RULES: tuple[Rule, ...] = (
-    ('*mlp*', 'backbone'),
-    ('*ffn*', 'backbone'),
-    ('*ffw*', 'backbone'),
-    ('*feed_forward*', 'backbone'),
-    ('*feedforward*', 'backbone'),
-    ('lm_head', 'backbone'),
+    *((p, BACKBONE) for p in _vocabulary.MLP_MODULES),  # `*mlp*`, `*ffn*`, `*ffw*`, ...
+    ('lm_head', BACKBONE),
 )
-DEFAULT_TIER = 'backbone'
-
-# Logical / mesh axis names that mark an expert axis (MaxText 'exp', Linen boxes).
-EXPERT_AXIS_NAMES = frozenset({'exp', 'expert', 'experts', 'num_experts', 'routed_experts'})
-
-# Logical axis names of a stack of layers (MaxText: 'layers', 'dense_layers',
-# 'moe_layers', 'local_layers'; pipeline stages).
-LAYER_AXIS_NAME = re.compile(r'^(\w+_)?layers?$|^stages?$|^scan$|^repeats?$')
-
-_NUMBERED_EXPERT = re.compile(r'^(?P<stem>.*?experts?)[_-]?(?P<idx>\d+)$')
 
 
 # ---------------------------------------------------------------------------- rules
@@ -103,7 +91,7 @@ def named_expert_axis(leaf: _paths.Leaf) -> Optional[int]:
     return None
   for i, entry in enumerate(leaf.names):
     entries = entry if isinstance(entry, (tuple, list)) else (entry,)
-    if any(isinstance(e, str) and e.lower() in EXPERT_AXIS_NAMES for e in entries):
+    if any(isinstance(e, str) and e.lower() in _vocabulary.EXPERT_AXIS_NAMES for e in entries):
       return i
   return None
 
@@ -129,7 +117,7 @@ def numbered_experts(leaves: list[_paths.Leaf]) -> None:
     if leaf.tier is not None:
       continue
     for k, seg in enumerate(leaf.segs):
-      m = _NUMBERED_EXPERT.match(seg)
+      m = _vocabulary.NUMBERED_EXPERT.match(seg)
       if m and 'shared' not in m['stem']:
         key = (leaf.segs[:k], m['stem'])
         groups.setdefault(key, {}).setdefault(int(m['idx']), []).append(leaf)
@@ -140,7 +128,7 @@ def numbered_experts(leaves: list[_paths.Leaf]) -> None:
       continue
     for members in by_index.values():
       for leaf in members:
-        leaf.tier, leaf.source, leaf.count = 'experts', 'structure', n
+        leaf.tier, leaf.source, leaf.count = EXPERTS, 'structure', n
         leaf.why = f'one of {n} numbered sibling modules {stem}_0..{stem}_{n - 1}'
         leaf.unit = leaf.segs[:len(prefix) + 1]
 
@@ -152,13 +140,13 @@ def router_counts(leaves: Sequence[_paths.Leaf]) -> set[int]:
   called `expert` may shard the router's input width d as well."""
   counts = set()
   for leaf in leaves:
-    if leaf.tier != 'router' or len(leaf.shape) < 2 or _kernels.is_vector(leaf.segs):
+    if leaf.tier != ROUTER or len(leaf.shape) < 2 or _vocabulary.is_vector(leaf.segs):
       continue
     axis = named_expert_axis(leaf)
     if axis is not None and leaf.shape[axis] != min(leaf.shape[-2:]):
       axis = None
-    counts.add(leaf.shape[axis if axis is not None else
-                          0 if leaf.segs[-1] == 'weight' else -1])
+    counts.add(leaf.shape[axis] if axis is not None else _vocabulary.kernel_sides(
+        leaf.shape, _vocabulary.is_torch_layout(leaf.segs))[0])
   return counts
 
 
@@ -183,11 +171,11 @@ def axis_name_experts(leaves: list[_paths.Leaf]) -> None:
   for leaf in leaves:
     axis = None if leaf.tier is not None else confirmed_expert_axis(leaf, counts)
     if axis is not None:
-      leaf.tier, leaf.source = 'experts', 'axis names'
+      leaf.tier, leaf.source = EXPERTS, 'axis names'
       leaf.why = f'axis {axis} is named {leaf.names[axis]!r}'
       leaf.unit = leaf.segs
 
 
 def _is_layer_name(entry: Any) -> bool:
   entries = entry if isinstance(entry, (tuple, list)) else (entry,)
-  return any(isinstance(e, str) and LAYER_AXIS_NAME.match(e.lower()) for e in entries)
+  return any(isinstance(e, str) and _vocabulary.LAYER_AXIS_NAME.match(e.lower()) for e in entries)

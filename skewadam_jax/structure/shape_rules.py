@@ -11,21 +11,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-from skewadam_jax.structure import kernels as _kernels
 from skewadam_jax.structure import paths as _paths
 from skewadam_jax.structure import stacks as _stacks
+from skewadam_jax.structure import vocabulary as _vocabulary
+from skewadam_jax.structure.vocabulary import EXPERTS
+from skewadam_jax.structure.vocabulary import ROUTER
+
 
 def _router_count(leaf: _paths.Leaf) -> Optional[int]:
   """The expert count E of a router kernel: [d, E] or (transposed) [E, d], read after
   the scanned axes are removed (a stacked router [R, d, E] or [d, L, E] is [d, E])."""
-  core = leaf.core
-  # (a router with three axes left is stacked by a scan no shape found: its E unknown)
-  if len(core) != 2 or any(s in leaf.segs[-1] for s in _kernels.NOT_KERNEL):
-    return None
-  return min(core[0], core[-1])  # E < d in every MoE
+  return None if _vocabulary.is_vector(leaf.segs) else _vocabulary.expert_count(leaf.core)
 
 
-def stacks_and_banks(leaves: list[_paths.Leaf], label: bool) -> _stacks.Structure:
+def stacks_and_banks(leaves: list[_paths.Leaf], label: bool) -> _stacks.StacksAndBanks:
   """Scanned axes of every leaf; with `label`, name-free banks and their routers."""
   found = _stacks.scan_leaves(leaves, [x.tier is not None for x in leaves])
   if not label:
@@ -39,14 +38,14 @@ def stacks_and_banks(leaves: list[_paths.Leaf], label: bool) -> _stacks.Structur
       leaf = leaves[i]
       if leaf.tier is None:
         leaf.tier, leaf.source, leaf.unit, leaf.count = (
-            'experts', 'structure', group.prefix, group.length)
+            EXPERTS, 'structure', group.prefix, group.length)
         leaf.why = (f'axis {group.axis} ({group.length}) is shared by the leaves of a '
                     f'bank in {where}, beside router candidate {first}')
     for r in group.routers:
       router = leaves[r]
       module = router.segs[:-1]
       if router.tier is None:
-        router.tier, router.source, router.unit = 'router', 'structure', module
+        router.tier, router.source, router.unit = ROUTER, 'structure', module
         router.why = (f'maps an axis of bank {where} to its {group.length} experts')
       # A router module of its own brings its bias / scale along; a router kernel that is
       # a bare leaf beside the bank's leaves (`ffn/{sel, w_in, w_out}`) brings a bias [E]
@@ -55,7 +54,7 @@ def stacks_and_banks(leaves: list[_paths.Leaf], label: bool) -> _stacks.Structur
       for leaf in leaves:  # its bias / scale, in the same module
         if leaf.tier is None and leaf.segs[:-1] == module and (
             not beside or leaf.core == (group.length,)):
-          leaf.tier, leaf.source, leaf.unit = 'router', 'structure', router.segs[:-1]
+          leaf.tier, leaf.source, leaf.unit = ROUTER, 'structure', router.segs[:-1]
           leaf.why = f'beside router kernel {router.path}'
   return found
 
@@ -70,24 +69,24 @@ def block_structure(leaves: list[_paths.Leaf], use_axis_names: bool) -> None:
     return leaf.tier is None and not (use_axis_names and leaf.names_well_formed)
 
   # Leaves beside a router [d, E] (under its block) whose leading axis is E: experts.
-  for router in [x for x in leaves if x.tier == 'router' and x.unit]:
+  for router in [x for x in leaves if x.tier == ROUTER and x.unit]:
     e, block = _router_count(router), router.unit[:-1]
     if e is None or e < 2 or not block:
       continue
     for leaf in children.get(block, []):
       if free(leaf) and leaf.core and leaf.core[0] == e and not (
           leaf.segs[:len(router.unit)] == router.unit):
-        leaf.tier, leaf.source, leaf.unit = 'experts', 'structure', leaf.segs
+        leaf.tier, leaf.source, leaf.unit = EXPERTS, 'structure', leaf.segs
         leaf.why = (f'{"first unscanned" if leaf.scan else "leading"} axis {e} = the '
                     f'expert count of router {router.path}')
 
   # A kernel [..., E] beside a bank of E experts (in a block with no router): router.
   banks: dict[tuple[str, ...], dict[tuple[str, ...], list[_paths.Leaf]]] = {}
   for leaf in leaves:
-    if leaf.tier == 'experts' and len(leaf.unit) > 1:
+    if leaf.tier == EXPERTS and len(leaf.unit) > 1:
       banks.setdefault(leaf.unit[:-1], {}).setdefault(leaf.unit, []).append(leaf)
   for block, units in banks.items():
-    if any(x.tier == 'router' for x in children.get(block, [])):
+    if any(x.tier == ROUTER for x in children.get(block, [])):
       continue
     counts = {_bank_count(members, unit) for unit, members in units.items()} - {None}
     if len(counts) != 1 or min(counts) < 2:
@@ -98,11 +97,10 @@ def block_structure(leaves: list[_paths.Leaf], use_axis_names: bool) -> None:
       core = leaf.core
       if leaf.tier is not None or len(core) != 2:  # (a router is [d, E]: [d, H, hd] is not)
         continue
-      torch_layout = leaf.segs[-1] == 'weight'  # [out, in]
-      count = core[0] if torch_layout else core[-1]
-      other = core[-1] if torch_layout else core[0]
+      torch_layout = _vocabulary.is_torch_layout(leaf.segs)  # [out, in]
+      count, other = _vocabulary.kernel_sides(core, torch_layout)
       if count == e and other != e:
-        leaf.tier, leaf.source, leaf.unit = 'router', 'structure', leaf.segs[:-1]
+        leaf.tier, leaf.source, leaf.unit = ROUTER, 'structure', leaf.segs[:-1]
         leaf.why = (f'{"first" if torch_layout else "last"} axis {e} = the expert count '
                     f'of the bank beside it in {"/".join(block)}')
         found.append(leaf)
@@ -110,7 +108,7 @@ def block_structure(leaves: list[_paths.Leaf], use_axis_names: bool) -> None:
       for leaf in children.get(router.unit, []):
         # A bare router kernel of the block itself brings a bias [E] only (as above).
         if leaf.tier is None and (router.unit != block or leaf.core == (e,)):
-          leaf.tier, leaf.source, leaf.unit = 'router', 'structure', router.unit
+          leaf.tier, leaf.source, leaf.unit = ROUTER, 'structure', router.unit
           leaf.why = f'beside router kernel {router.path}'
 
 
@@ -129,17 +127,17 @@ def bias_kernels(leaves: list[_paths.Leaf]) -> None:
   """The kernel of a router whose bias [E] a name decided: in the bias's module, with no
   router kernel there, the one undecided kernel [d, E] ([E, d] for a PyTorch `weight`)
   mapping a width to the bias's E entries (`{router_bias [E], kt [d, E], w [d, f]}`)."""
-  for bias in [x for x in leaves if x.tier == 'router' and len(x.core) == 1]:
+  for bias in [x for x in leaves if x.tier == ROUTER and len(x.core) == 1]:
     e, module = bias.core[0], bias.segs[:-1]
     beside = [x for x in leaves if x.segs[:-1] == module and len(x.core) == 2]
-    if e < 2 or any(x.tier == 'router' for x in beside):
+    if e < 2 or any(x.tier == ROUTER for x in beside):
       continue
-    found = [x for x in beside if x.tier is None and not _kernels.is_vector(x.segs) and (
-        x.core[0] if x.segs[-1] == 'weight' else x.core[1]) == e and min(x.core) == e
-             and max(x.core) != e]
+    found = [x for x in beside if x.tier is None and not _vocabulary.is_vector(x.segs)
+             and _vocabulary.kernel_sides(x.core, _vocabulary.is_torch_layout(x.segs))[0]
+             == e and min(x.core) == e and max(x.core) != e]
     if len(found) == 1:
       kernel = found[0]
-      kernel.tier, kernel.source, kernel.unit = 'router', 'structure', module
+      kernel.tier, kernel.source, kernel.unit = ROUTER, 'structure', module
       kernel.why = f'maps a width to the {e} entries of router bias {bias.path}'
 
 
@@ -148,11 +146,11 @@ def router_vectors(leaves: list[_paths.Leaf]) -> None:
   router's (selection) bias, whatever it is called (`{router [d, E], bq [E], experts:
   [...]}`). Beside a bank's leaves in the same module ([E, d, f]) such a vector may as
   well be a per-expert scale: it is labelled as a bias, and `unsure` reports it."""
-  for router in [x for x in leaves if x.tier == 'router' and len(x.core) == 2]:
+  for router in [x for x in leaves if x.tier == ROUTER and len(x.core) == 2]:
     e = _router_count(router)
     if e is None or e < 2:
       continue
     for leaf in leaves:
       if leaf.tier is None and leaf.core == (e,) and leaf.segs[:-1] == router.segs[:-1]:
-        leaf.tier, leaf.source, leaf.unit = 'router', 'structure', router.segs[:-1]
+        leaf.tier, leaf.source, leaf.unit = ROUTER, 'structure', router.segs[:-1]
         leaf.why = f'a vector [{e}] beside router kernel {router.path}: its bias'

@@ -212,6 +212,8 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
   # over the stored arrays, and nothing of the leaf's size is materialised in between
   # (but a coded momentum's `m`, which its absmax reads anyway: `coded_momentum`).
   path, estimator = leaf.path, leaf.estimator
+  if defer and g.size > MAX_SHARED_CALL_ELEMENTS:
+    g, t, scalars = jax.lax.optimization_barrier((g, t, scalars))
   codec = leaf.codec if tier.momentum else None
   if codec is not None:
     # Decoded, updated and encoded within the step: the float32 momentum `m` lives only
@@ -284,27 +286,46 @@ def _cached_update(estimator: _second_moment.SecondMoment, static: _second_momen
 MAX_PADDED_SHARE = 1 / 8
 
 
+# A shared call holds every leaf it takes alive at once, in one buffer of all their
+# items (`SharedGroup.run`), where leaves run one by one each hold only their own: XLA
+# cannot retire a leaf's gradient (nor run its update within the backward pass) before
+# the call has them all. Sharing pays for many small leaves (one compiled call instead
+# of one per leaf); a leaf as large as this budget launches its kernels once anyway.
+# So a call takes leaves up to this many elements (items x `item_size`), and a leaf
+# larger than that is a call of its own: at the published 6.78B model's size the
+# Newton-Schulz leaves (three [128, 4096, 4096] expert banks and the backbone's
+# 4096 x 4096 matrices) shared one float32 buffer of 25 GiB. 2^27 elements (512 MiB in
+# float32) hold every hidden and expert matrix of a 128M-parameter model in one call.
+MAX_SHARED_CALL_ELEMENTS = 1 << 27
+
+
 def shared_calls(groups: list[_second_moment.SharedGroup], counts: list[int]
                  ) -> list[list[int]]:
-  """Which leaves share a call: indices into `groups` grouped by equal group, then each
-  group moved into the call of the largest group that `hosts` it, if its items
-  (`counts` per leaf) are at most `MAX_PADDED_SHARE` of that group's own."""
-  members: dict[Any, list[int]] = {}
+  """Which leaves share a call: indices into `groups` grouped by equal group, split
+  into calls of at most `MAX_SHARED_CALL_ELEMENTS` elements (a larger leaf alone), then
+  each group of one call moved into the call of the largest group that `hosts` it, if
+  its items (`counts` per leaf) are at most `MAX_PADDED_SHARE` of that call's own."""
+  members: dict[Any, list[list[int]]] = {}
   for i, k in enumerate(groups):
-    members.setdefault(k, []).append(i)
-  size = {k: sum(counts[i] for i in idx) for k, idx in members.items()}
+    calls = members.setdefault(k, [[]])
+    elements = k.item_size * sum(counts[j] for j in calls[-1])
+    if calls[-1] and elements + k.item_size * counts[i] > MAX_SHARED_CALL_ELEMENTS:
+      calls.append([])
+    calls[-1].append(i)
+  size = {k: sum(counts[i] for c in calls for i in c) for k, calls in members.items()}
   # Largest items first: a host is never itself moved into another.
   order = sorted(members, key=lambda k: (-k.item_size, -size[k], str(k)))
-  hosts: list[Any] = []
-  merged: dict[Any, list[int]] = {}
+  hosts: list[tuple[Any, int, list[int]]] = []  # (group, its own items, the call)
   for k in order:
-    fits = [h for h in hosts if h.hosts(k) and size[k] <= MAX_PADDED_SHARE * size[h]]
+    calls = members[k]
+    fits = [c for h, own, c in hosts
+            if len(calls) == 1 and h.hosts(k) and size[k] <= MAX_PADDED_SHARE * own
+            and (own + size[k]) * h.item_size <= MAX_SHARED_CALL_ELEMENTS]
     if fits:
-      merged[fits[0]].extend(members[k])
+      fits[0].extend(calls[0])
     else:
-      hosts.append(k)
-      merged[k] = list(members[k])
-  return [sorted(idx) for idx in merged.values()]
+      hosts.extend((k, sum(counts[i] for i in c), c) for c in calls)
+  return [sorted(c) for _, _, c in hosts]
 
 
 def resolve(out: list[Any], t: jax.Array) -> list[tuple[jax.Array, dict[str, Any]]]:

@@ -481,6 +481,54 @@ def test_large_leaf_iterates_alone_in_place_in_bounded_chunks():
   assert not any(e.primitive.name in ('scan', 'optimization_barrier') for e in default.eqns)
 
 
+@pytest.mark.parametrize('tiers', ['MUON_CODED_TIERS', 'MUON_TIERS'])
+def test_large_leaf_updates_in_place_slices_of_its_batch_axis(tiers):
+  # A leaf too large to share a call, whose update maps slices of its first batch axis
+  # to slices of its update and state (the expert tiers: `MUON_CODED_TIERS`' 6-bit
+  # momentum codes per row block and Nesterov, `MUON_TIERS`' none; each matrix
+  # orthogonalised on its own), runs that
+  # update slice by slice in one loop, writing the update over the gradient and the
+  # state over the old (`LEAF_SLICE_ELEMENTS`): XLA holds one slice's temporaries, not
+  # the leaf's. The same operations per slice, so the updates and the codes match the
+  # whole-leaf step over two steps within 8 ulp (bitwise on the CPUs measured); under
+  # the default bounds these small leaves are not sliced.
+  from ulp import assert_within_ulp
+  from skewadam_jax.transforms import tier_leaf
+  shapes = {'bank': (8, 16, 256), 'w': (16, 256)}
+  axes = {'bank': (0,), 'w': ()}
+  tx = sj.scale_by_tiered_adam(tier=getattr(sj, tiers)['experts'], batch_axes=axes)
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(_grads(i, s), jnp.float32) for k, s in shapes.items()}
+           for i in range(2)]
+
+  def run():
+    # A fresh function, traced anew: jax caches traces by function, not by the bounds.
+    step = jax.jit(lambda g_, s_: tx.update(g_, s_))
+    state, out = tx.init(params), []
+    for g in grads:
+      u, state = step(g, state)
+      out.append((u, state))
+    return out, step.trace(grads[0], tx.init(params)).jaxpr
+
+  whole, whole_jaxpr = run()
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(tier_leaf, 'MAX_SHARED_CALL_ELEMENTS', 3 * 16 * 256)
+    mp.setattr(tier_leaf, 'LEAF_SLICE_ELEMENTS', 2 * 16 * 256)
+    sliced, sliced_jaxpr = run()
+  loops = [e for e in sliced_jaxpr.eqns if e.primitive.name == 'scan']
+  assert [e.params['length'] for e in loops] == [4]  # bank: 4 slices of 2 matrices
+  assert not any(e.primitive.name == 'scan' for e in whole_jaxpr.eqns)
+  for step, ((u_w, s_w), (u_s, s_s)) in enumerate(zip(whole, sliced)):
+    for k in shapes:
+      assert_within_ulp(np.asarray(u_s[k]), np.asarray(u_w[k]), np.float32,
+                        err_msg=f'{k} at step {step}')
+    for a, b in zip(jax.tree.leaves(s_s), jax.tree.leaves(s_w)):
+      if jnp.issubdtype(a.dtype, jnp.floating):
+        assert_within_ulp(np.asarray(a), np.asarray(b), np.float32)
+      else:  # codes: a code flips only where its value lies on a rounding boundary
+        assert np.mean(np.asarray(a) != np.asarray(b)) <= 1e-3
+
+
 @settings(max_examples=15, deadline=None)
 @given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5),
        max_batch=st.one_of(st.none(), st.integers(1, 7)), keyed=st.booleans())

@@ -493,7 +493,7 @@ def test_large_leaf_updates_in_place_slices_of_its_batch_axis(tiers):
   # whole-leaf step over two steps within 8 ulp (bitwise on the CPUs measured); under
   # the default bounds these small leaves are not sliced.
   from ulp import assert_within_ulp
-  from skewadam_jax.transforms import tier_leaf
+  from skewadam_jax.transforms import tier_leaf, tier_slices
   shapes = {'bank': (8, 16, 256), 'w': (16, 256)}
   axes = {'bank': (0,), 'w': ()}
   tx = sj.scale_by_tiered_adam(tier=getattr(sj, tiers)['experts'], batch_axes=axes)
@@ -513,7 +513,7 @@ def test_large_leaf_updates_in_place_slices_of_its_batch_axis(tiers):
   whole, whole_jaxpr = run()
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(tier_leaf, 'MAX_SHARED_CALL_ELEMENTS', 3 * 16 * 256)
-    mp.setattr(tier_leaf, 'LEAF_SLICE_ELEMENTS', 2 * 16 * 256)
+    mp.setattr(tier_slices, 'LEAF_SLICE_ELEMENTS', 2 * 16 * 256)
     sliced, sliced_jaxpr = run()
   loops = [e for e in sliced_jaxpr.eqns if e.primitive.name == 'scan']
   assert [e.params['length'] for e in loops] == [4]  # bank: 4 slices of 2 matrices

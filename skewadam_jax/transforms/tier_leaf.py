@@ -213,12 +213,15 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
   # over the stored arrays, and nothing of the leaf's size is materialised in between
   # (but a coded momentum's `m`, which its absmax reads anyway: `coded_momentum`).
   path, estimator = leaf.path, leaf.estimator
-  # A leaf too large to share a call (`shared_calls`) also keeps its elementwise work to
-  # itself: its gradient and step scalars pass a barrier of their own, or XLA:GPU fuses
-  # the same elementwise steps of several such leaves into one kernel (they read the same
-  # step scalars), whose outputs (each a float32 copy of its leaf) are then alive at once.
-  # Where it can, it runs in slices (`tier_slices.in_slices`).
-  alone = defer and g.size > MAX_SHARED_CALL_ELEMENTS
+  # A leaf of an estimator that shares work (it declares `shared`), too large to share a
+  # call (`shared_calls`), also keeps its elementwise work to itself: its gradient and
+  # step scalars pass a barrier of their own, or XLA:GPU fuses the same elementwise steps
+  # of several such leaves into one kernel (they read the same step scalars), whose
+  # outputs (each a float32 copy of its leaf) are then alive at once. Where it can, it
+  # runs in slices (`tier_slices.in_slices`). Other estimators' updates stream their leaf
+  # in one fused pass and are left as they are.
+  alone = (defer and g.size > MAX_SHARED_CALL_ELEMENTS
+           and type(estimator).shared is not _second_moment.SecondMoment.shared)
   if alone:
     g, t, scalars = jax.lax.optimization_barrier((g, t, scalars))
     sliced = _tier_slices.in_slices(update_leaf, tier, leaf, b1, b2, eps, g, mu, present, t,

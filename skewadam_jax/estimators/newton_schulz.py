@@ -170,11 +170,12 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   and written, zero-padded, into one buffer of `k * b` matrices of the largest `[R, C]`
   (`k = ceil(N / max_batch)` chunks of `b = ceil(N / k)`, zero matrices filling the
   last; `N = sum(n_i)`); the chunks are orthogonalised one after the other by one
-  compiled iteration (`lax.map`), and each leaf's matrices are read back. Each matrix
-  is normalised and iterated on its own, and zero rows and columns stay zero through
-  the iteration (`X X^T` has them as zero rows and columns, so each product keeps the
-  matrix's block), so the result is that of separate calls up to rounding; a zero
-  matrix stays zero.
+  compiled iteration (`lax.map`; a single leaf that fills its chunks is the buffer
+  itself, each chunk's result written over it), and each leaf's matrices are read
+  back. Each matrix is normalised and iterated on its own, and zero rows and columns
+  stay zero through the iteration (`X X^T` has them as zero rows and columns, so each
+  product keeps the matrix's block), so the result is that of separate calls up to
+  rounding; a zero matrix stays zero.
 
   Why this shape of program: XLA compiles one kernel per distinct operation, and a
   slice at a constant offset is a different operation at every offset. With `key`, the

@@ -238,7 +238,8 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
       seed = _codec_seed(t, path_hash(path) if path_key is None else path_key)
     mu, stored = coded_momentum(codec, b1, mu, g, t, seed)
     if alone:  # encoded before the update's own float32 work: the codes' temporaries
-      # are gone before that starts (at 6.78B: 38.1 against 43.6 GiB planned per step).
+      # are gone before that starts (a leaf not run in slices; the 6.78B step planned
+      # 38.1 against 43.6 GiB with it while its expert banks were not).
       mu, stored, g = jax.lax.optimization_barrier((mu, stored, g))
   elif tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)

@@ -520,8 +520,15 @@ def test_large_leaf_updates_in_place_slices_of_its_batch_axis(tiers):
     plain = sj.scale_by_tiered_adam(tier=sj.PUBLISHED_TIERS['experts'], batch_axes=axes)
     plain_jaxpr = jax.make_jaxpr(lambda g_, s_: plain.update(g_, s_))(
         grads[0], plain.init(params))
+    # Codes rounded at random draw per leaf position: not sliced (its Newton-Schulz
+    # call runs alone, unchunked at these sizes).
+    drawn = sj.scale_by_tiered_adam(tier=sj.MUON_CODED_TIERS['experts'].replace(
+        mu_codec=sj.Blockwise(6, 256, rounding='stochastic')), batch_axes=axes)
+    drawn_jaxpr = jax.make_jaxpr(lambda g_, s_: drawn.update(g_, s_))(
+        grads[0], drawn.init(params))
   assert not any(e.primitive.name in ('scan', 'optimization_barrier')
                  for e in plain_jaxpr.eqns)
+  assert not any(e.primitive.name == 'scan' for e in drawn_jaxpr.eqns)
   loops = [e for e in sliced_jaxpr.eqns if e.primitive.name == 'scan']
   assert [e.params['length'] for e in loops] == [4]  # bank: 4 slices of 2 matrices
   assert not any(e.primitive.name == 'scan' for e in whole_jaxpr.eqns)

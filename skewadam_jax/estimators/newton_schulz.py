@@ -170,11 +170,12 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   and written, zero-padded, into one buffer of `k * b` matrices of the largest `[R, C]`
   (`k = ceil(N / max_batch)` chunks of `b = ceil(N / k)`, zero matrices filling the
   last; `N = sum(n_i)`); the chunks are orthogonalised one after the other by one
-  compiled iteration (`lax.map`), and each leaf's matrices are read back. Each matrix
-  is normalised and iterated on its own, and zero rows and columns stay zero through
-  the iteration (`X X^T` has them as zero rows and columns, so each product keeps the
-  matrix's block), so the result is that of separate calls up to rounding; a zero
-  matrix stays zero.
+  compiled iteration (`lax.map`; a single leaf that fills its chunks is the buffer
+  itself, each chunk's result written over it), and each leaf's matrices are read
+  back. Each matrix is normalised and iterated on its own, and zero rows and columns
+  stay zero through the iteration (`X X^T` has them as zero rows and columns, so each
+  product keeps the matrix's block), so the result is that of separate calls up to
+  rounding; a zero matrix stays zero.
 
   Why this shape of program: XLA compiles one kernel per distinct operation, and a
   slice at a constant offset is a different operation at every offset. With `key`, the
@@ -212,11 +213,27 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
   zero = jnp.uint32(0)
   dtype = (jnp.result_type(*mats) if ns_dtype is None
            else iteration_dtype(ns_dtype, mats[0]))
-  buf = jnp.zeros((chunks * per,) + shape, dtype)
-  for m, o in zip(mats, offsets):
-    buf = jax.lax.dynamic_update_slice(buf, m.astype(dtype), (o, zero, zero))
+  alone = len(mats) == 1 and chunks * per == total
+  if alone:  # one leaf in equal chunks: the leaf is the buffer, no zero-padded copy
+    buf = mats[0].astype(dtype)
+  else:
+    buf = jnp.zeros((chunks * per,) + shape, dtype)
+    for m, o in zip(mats, offsets):
+      buf = jax.lax.dynamic_update_slice(buf, m.astype(dtype), (o, zero, zero))
   if chunks == 1:
     out = newton_schulz(buf, coeffs, steps, eps)
+  elif alone:
+    # Each chunk's result is written over the chunk it was read from: one buffer of the
+    # leaf's size holds its matrices and then their results, where `lax.map` (its
+    # stacked output apart) would hold two. (Only for one leaf: for the shared call of
+    # the 128.7M-parameter model's update, XLA:GPU compiled this loop into 15 kernels
+    # more than `lax.map`: 272 against 257, benchmarks/gpu_compile.py.)
+    def chunk(i: jax.Array, b: jax.Array) -> jax.Array:
+      start = (i * per).astype(jnp.uint32)
+      x = jax.lax.dynamic_slice(b, (start, zero, zero), (per,) + shape)
+      return jax.lax.dynamic_update_slice(b, newton_schulz(x, coeffs, steps, eps),
+                                          (start, zero, zero))
+    out = jax.lax.fori_loop(0, chunks, chunk, buf)
   else:
     out = jax.lax.map(lambda b: newton_schulz(b, coeffs, steps, eps),
                       buf.reshape((chunks, per) + buf.shape[1:])).reshape(buf.shape)
@@ -229,6 +246,13 @@ def newton_schulz_shared(mats: list[jax.Array], coeffs: tuple[float, float, floa
 # of the shape (and at least this many elements), so the many small matrices of a model
 # share one chunk while the peak stays that of its largest leaf.
 MIN_SHARED_ELEMENTS = 1 << 20
+# ... and at most this many (unless one matrix is larger): a chunk's iteration holds
+# about five chunk-sized float32 temporaries (the iterate, its Gram matrix and products),
+# which for a whole expert bank of a large model would be several times the bank itself
+# (the published 6.78B model's [128, 4096, 4096] banks: 8 GiB each in float32). 2^26
+# elements (256 MiB in float32, four 4096 x 4096 matrices) still give every product of
+# the iteration thousands of GPU blocks of work, so the chunks cost only loop trips.
+MAX_CHUNK_ELEMENTS = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +283,10 @@ class NewtonSchulzGroup(_second_moment.SharedGroup):
 
   def run(self, operands: Sequence[jax.Array], key: jax.Array) -> list[jax.Array]:
     """One `newton_schulz_shared` in chunks of at most as many elements as the largest
-    leaf (or `MIN_SHARED_ELEMENTS`)."""
+    leaf, within `MIN_SHARED_ELEMENTS` and `MAX_CHUNK_ELEMENTS`."""
     matrix = math.prod(padded_shape([m.shape for m in operands]))
-    budget = max(MIN_SHARED_ELEMENTS, max(m.shape[0] * matrix for m in operands))
+    largest = max(m.shape[0] * matrix for m in operands)
+    budget = max(MIN_SHARED_ELEMENTS, min(MAX_CHUNK_ELEMENTS, largest))
     return newton_schulz_shared(list(operands), *self.iteration,
                                 max_batch=max(1, budget // matrix), key=key)
 

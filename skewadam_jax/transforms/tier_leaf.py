@@ -23,6 +23,7 @@ from skewadam_jax.core import tree as _tree
 
 from skewadam_jax.transforms import plan as _plan
 from skewadam_jax.transforms import step_scalars as _step_scalars
+from skewadam_jax.transforms import tier_slices as _tier_slices
 from skewadam_jax.transforms.tier import Tier
 
 FIELDS = ('mu',) + _second_moment.STAT_FIELDS  # the per-parameter fields of the state
@@ -212,6 +213,21 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
   # over the stored arrays, and nothing of the leaf's size is materialised in between
   # (but a coded momentum's `m`, which its absmax reads anyway: `coded_momentum`).
   path, estimator = leaf.path, leaf.estimator
+  # A leaf of an estimator that shares work (it declares `shared`), too large to share a
+  # call (`shared_calls`), also keeps its elementwise work to itself: its gradient and
+  # step scalars pass a barrier of their own, or XLA:GPU fuses the same elementwise steps
+  # of several such leaves into one kernel (they read the same step scalars), whose
+  # outputs (each a float32 copy of its leaf) are then alive at once. Where it can, it
+  # runs in slices (`tier_slices.in_slices`). Other estimators' updates stream their leaf
+  # in one fused pass and are left as they are.
+  alone = (defer and g.size > MAX_SHARED_CALL_ELEMENTS
+           and type(estimator).shared is not _second_moment.SecondMoment.shared)
+  if alone:
+    g, t, scalars = jax.lax.optimization_barrier((g, t, scalars))
+    sliced = _tier_slices.in_slices(update_leaf, tier, leaf, b1, b2, eps, g, mu, present, t,
+                                    scalars, dtype, path_key)
+    if sliced is not None:
+      return sliced
   codec = leaf.codec if tier.momentum else None
   if codec is not None:
     # Decoded, updated and encoded within the step: the float32 momentum `m` lives only
@@ -221,6 +237,10 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
     if codec.needs_seed:
       seed = _codec_seed(t, path_hash(path) if path_key is None else path_key)
     mu, stored = coded_momentum(codec, b1, mu, g, t, seed)
+    if alone:  # encoded before the update's own float32 work: the codes' temporaries
+      # are gone before that starts (a leaf not run in slices; the 6.78B step planned
+      # 38.1 against 43.6 GiB with it while its expert banks were not).
+      mu, stored, g = jax.lax.optimization_barrier((mu, stored, g))
   elif tier.momentum:
     mu = (b1 * mu.astype(jnp.float32) + (1.0 - b1) * g.astype(jnp.float32)).astype(mu.dtype)
   if tier.nesterov:
@@ -284,27 +304,46 @@ def _cached_update(estimator: _second_moment.SecondMoment, static: _second_momen
 MAX_PADDED_SHARE = 1 / 8
 
 
+# A shared call holds every leaf it takes alive at once, in one buffer of all their
+# items (`SharedGroup.run`), where leaves run one by one each hold only their own: XLA
+# cannot retire a leaf's gradient (nor run its update within the backward pass) before
+# the call has them all. Sharing pays for many small leaves (one compiled call instead
+# of one per leaf); a leaf as large as this budget launches its kernels once anyway.
+# So a call takes leaves up to this many elements (items x `item_size`), and a leaf
+# larger than that is a call of its own: at the published 6.78B model's size the
+# Newton-Schulz leaves (three [128, 4096, 4096] expert banks and the backbone's
+# 4096 x 4096 matrices) shared one float32 buffer of 25 GiB. 2^27 elements (512 MiB in
+# float32) hold every hidden and expert matrix of a 128M-parameter model in one call.
+MAX_SHARED_CALL_ELEMENTS = 1 << 27
+
+
 def shared_calls(groups: list[_second_moment.SharedGroup], counts: list[int]
                  ) -> list[list[int]]:
-  """Which leaves share a call: indices into `groups` grouped by equal group, then each
-  group moved into the call of the largest group that `hosts` it, if its items
-  (`counts` per leaf) are at most `MAX_PADDED_SHARE` of that group's own."""
-  members: dict[Any, list[int]] = {}
+  """Which leaves share a call: indices into `groups` grouped by equal group, split
+  into calls of at most `MAX_SHARED_CALL_ELEMENTS` elements (a larger leaf alone), then
+  each group of one call moved into the call of the largest group that `hosts` it, if
+  its items (`counts` per leaf) are at most `MAX_PADDED_SHARE` of that call's own."""
+  members: dict[Any, list[list[int]]] = {}
   for i, k in enumerate(groups):
-    members.setdefault(k, []).append(i)
-  size = {k: sum(counts[i] for i in idx) for k, idx in members.items()}
+    calls = members.setdefault(k, [[]])
+    elements = k.item_size * sum(counts[j] for j in calls[-1])
+    if calls[-1] and elements + k.item_size * counts[i] > MAX_SHARED_CALL_ELEMENTS:
+      calls.append([])
+    calls[-1].append(i)
+  size = {k: sum(counts[i] for c in calls for i in c) for k, calls in members.items()}
   # Largest items first: a host is never itself moved into another.
   order = sorted(members, key=lambda k: (-k.item_size, -size[k], str(k)))
-  hosts: list[Any] = []
-  merged: dict[Any, list[int]] = {}
+  hosts: list[tuple[Any, int, list[int]]] = []  # (group, its own items, the call)
   for k in order:
-    fits = [h for h in hosts if h.hosts(k) and size[k] <= MAX_PADDED_SHARE * size[h]]
+    calls = members[k]
+    fits = [c for h, own, c in hosts
+            if len(calls) == 1 and h.hosts(k) and size[k] <= MAX_PADDED_SHARE * own
+            and (own + size[k]) * h.item_size <= MAX_SHARED_CALL_ELEMENTS]
     if fits:
-      merged[fits[0]].extend(members[k])
+      fits[0].extend(calls[0])
     else:
-      hosts.append(k)
-      merged[k] = list(members[k])
-  return [sorted(idx) for idx in merged.values()]
+      hosts.extend((k, sum(counts[i] for i in c), c) for c in calls)
+  return [sorted(c) for _, _, c in hosts]
 
 
 def resolve(out: list[Any], t: jax.Array) -> list[tuple[jax.Array, dict[str, Any]]]:

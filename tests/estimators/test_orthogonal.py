@@ -415,6 +415,134 @@ def test_shared_calls_pad_few_small_matrices_into_a_larger_shape(leaves):
                                     [80, 1])) == 2
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(['a', 'b', 'c', 'd']), st.integers(1, 9)),
+                min_size=1, max_size=8),
+       st.integers(8, 200))
+def test_shared_calls_bound_the_elements_of_a_call(leaves, budget):
+  # A call takes its group's leaves up to `MAX_SHARED_CALL_ELEMENTS` (items x item
+  # size), so a leaf above it is alone; a smaller group joins a call only if the call
+  # stays within it. Every leaf is in exactly one call.
+  from skewadam_jax.estimators.newton_schulz import NewtonSchulzGroup
+  from skewadam_jax.transforms import tier_leaf
+  wide = {'a': (4, 8), 'b': (2, 8), 'c': (5, 5), 'd': (3, 5)}
+  keys = [NewtonSchulzGroup(wide[s], ('it',)) for s, _ in leaves]
+  counts = [n for _, n in leaves]
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(tier_leaf, 'MAX_SHARED_CALL_ELEMENTS', budget)
+    calls = tier_leaf.shared_calls(keys, counts)
+  assert sorted(i for c in calls for i in c) == list(range(len(leaves)))
+  for call in calls:
+    host = max((keys[i] for i in call), key=lambda k: k.item_size)
+    elements = host.item_size * sum(counts[i] for i in call)
+    assert len(call) == 1 or elements <= budget, (call, elements)
+    for i in call:
+      assert host.hosts(keys[i])
+  big = [i for i, k in enumerate(keys) if counts[i] * k.item_size > budget]
+  assert all([i] in calls for i in big)
+
+
+def test_large_leaf_iterates_alone_in_place_in_bounded_chunks():
+  # A leaf above `MAX_SHARED_CALL_ELEMENTS` is a call of its own, iterated in chunks of
+  # at most `MAX_CHUNK_ELEMENTS` written back over the leaf's own matrices (a loop whose
+  # only carries are the trip count and the [n, R, C] leaf: no zero-padded copy, no
+  # stacked output); its gradient and step scalars pass an optimization barrier of
+  # their own, so XLA does not fuse its elementwise work with another leaf's. The
+  # updates match leaf-by-leaf transforms within 1e-5 of the RMS (the chunks' body is
+  # compiled, as above). Under the default bounds these small leaves share one call.
+  from skewadam_jax.estimators import newton_schulz as ns
+  from skewadam_jax.transforms import tier_leaf
+  shapes = {'bank': (6, 12, 20), 'tall': (4, 20, 12), 'a': (12, 20), 'b': (12, 20)}
+  axes = {'bank': (0,), 'tall': (0,), 'a': (), 'b': ()}
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
+  grads = {k: jnp.asarray(_grads(i, s), jnp.float32) for i, (k, s) in enumerate(shapes.items())}
+  tx = sj.scale_by_tiered_adam(tier=HIDDEN, batch_axes=axes)
+  state = tx.init(params)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(tier_leaf, 'MAX_SHARED_CALL_ELEMENTS', 3 * 240)
+    mp.setattr(ns, 'MAX_CHUNK_ELEMENTS', 2 * 240)
+    mp.setattr(ns, 'MIN_SHARED_ELEMENTS', 2 * 240)
+    u, _ = tx.update(grads, state)
+    # A fresh function each time: jax caches traces by function, not by these bounds.
+    jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s))(grads, state)
+  for k in shapes:
+    single = sj.scale_by_tiered_adam(tier=HIDDEN, batch_axes={k: axes[k]})
+    want, _ = single.update({k: grads[k]}, single.init({k: params[k]}))
+    _assert_close_in_rms(np.asarray(u[k], np.float64), np.asarray(want[k], np.float64), 1e-5)
+  # bank (6 matrices) and tall (4) alone, in 3 and 2 chunks of 2; a and b in one call.
+  scans = [e for e in jaxpr.eqns if e.primitive.name == 'scan']
+  assert sorted(e.params['length'] for e in scans) == [2, 3]
+  for e in scans:
+    assert e.params['num_carry'] == 2 and len(e.outvars) == 2
+    assert e.outvars[1].aval.shape in {(6, 12, 20), (4, 12, 20)}
+  assert sum(e.primitive.name == 'dot_general' for e in jaxpr.eqns) == 3 * HIDDEN_NS_STEPS
+  assert sum(e.primitive.name == 'optimization_barrier' for e in jaxpr.eqns) == 2
+  default = jax.make_jaxpr(lambda g, s: tx.update(g, s))(grads, state)
+  assert not any(e.primitive.name in ('scan', 'optimization_barrier') for e in default.eqns)
+
+
+@pytest.mark.parametrize('tiers', ['MUON_CODED_TIERS', 'MUON_TIERS'])
+def test_large_leaf_updates_in_place_slices_of_its_batch_axis(tiers):
+  # A leaf too large to share a call, whose update maps slices of its first batch axis
+  # to slices of its update and state (the expert tiers: `MUON_CODED_TIERS`' 6-bit
+  # momentum codes per row block and Nesterov, `MUON_TIERS`' none; each matrix
+  # orthogonalised on its own), runs that update slice by slice in one loop, writing
+  # the update over the gradient and the state over the old (`LEAF_SLICE_ELEMENTS`):
+  # XLA holds one slice's temporaries, not the leaf's. The same operations per slice,
+  # so the updates and the state match the whole-leaf step over two steps within 8 ulp
+  # (bitwise on the CPU where this was written: it bounds the other CPUs' fusions); under
+  # the default bounds these small leaves are not sliced.
+  from ulp import assert_within_ulp
+  from skewadam_jax.transforms import tier_leaf, tier_slices
+  shapes = {'bank': (8, 16, 256), 'w': (16, 256)}
+  axes = {'bank': (0,), 'w': ()}
+  tx = sj.scale_by_tiered_adam(tier=getattr(sj, tiers)['experts'], batch_axes=axes)
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(_grads(i, s), jnp.float32) for k, s in shapes.items()}
+           for i in range(2)]
+
+  def run():
+    # A fresh function, traced anew: jax caches traces by function, not by the bounds.
+    step = jax.jit(lambda g_, s_: tx.update(g_, s_))
+    state, out = tx.init(params), []
+    for g in grads:
+      u, state = step(g, state)
+      out.append((u, state))
+    return out, step.trace(grads[0], tx.init(params)).jaxpr
+
+  whole, whole_jaxpr = run()
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(tier_leaf, 'MAX_SHARED_CALL_ELEMENTS', 3 * 16 * 256)
+    mp.setattr(tier_slices, 'LEAF_SLICE_ELEMENTS', 2 * 16 * 256)
+    sliced, sliced_jaxpr = run()
+    # An estimator that shares no work (the published factored experts) streams its
+    # leaf in one fused pass: no slices, no barrier, whatever its size.
+    plain = sj.scale_by_tiered_adam(tier=sj.PUBLISHED_TIERS['experts'], batch_axes=axes)
+    plain_jaxpr = jax.make_jaxpr(lambda g_, s_: plain.update(g_, s_))(
+        grads[0], plain.init(params))
+    # Codes rounded at random draw per leaf position: not sliced (its Newton-Schulz
+    # call runs alone, unchunked at these sizes).
+    drawn = sj.scale_by_tiered_adam(tier=sj.MUON_CODED_TIERS['experts'].replace(
+        mu_codec=sj.Blockwise(6, 256, rounding='stochastic')), batch_axes=axes)
+    drawn_jaxpr = jax.make_jaxpr(lambda g_, s_: drawn.update(g_, s_))(
+        grads[0], drawn.init(params))
+  assert not any(e.primitive.name in ('scan', 'optimization_barrier')
+                 for e in plain_jaxpr.eqns)
+  assert not any(e.primitive.name == 'scan' for e in drawn_jaxpr.eqns)
+  loops = [e for e in sliced_jaxpr.eqns if e.primitive.name == 'scan']
+  assert [e.params['length'] for e in loops] == [4]  # bank: 4 slices of 2 matrices
+  assert not any(e.primitive.name == 'scan' for e in whole_jaxpr.eqns)
+  for step, ((u_w, s_w), (u_s, s_s)) in enumerate(zip(whole, sliced)):
+    for k in shapes:
+      assert_within_ulp(np.asarray(u_s[k]), np.asarray(u_w[k]), np.float32,
+                        err_msg=f'{k} at step {step}')
+    for a, b in zip(jax.tree.leaves(s_s), jax.tree.leaves(s_w)):
+      if jnp.issubdtype(a.dtype, jnp.floating):
+        assert_within_ulp(np.asarray(a), np.asarray(b), np.float32)
+      else:  # codes: a code flips only where its value lies on a rounding boundary
+        assert np.mean(np.asarray(a) != np.asarray(b)) <= 1e-3
+
+
 @settings(max_examples=15, deadline=None)
 @given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5),
        max_batch=st.one_of(st.none(), st.integers(1, 7)), keyed=st.booleans())

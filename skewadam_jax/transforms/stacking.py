@@ -88,9 +88,11 @@ def _stacked_update(estimator: _second_moment.SecondMoment, static: _second_mome
   return jax.vmap(lambda g_, s_, x_: estimator.update(g_, s_, x_, step))(g, stats, x)
 
 
-def by_platform(cpu: Callable[[], Any], default: Callable[[], Any]) -> Any:
-  """`cpu()` where the step is lowered for the CPU, `default()` elsewhere."""
-  return jax.lax.platform_dependent(cpu=cpu, default=default)
+def by_platform(*operands: Any, cpu: Callable[..., Any], default: Callable[..., Any]
+                ) -> Any:
+  """`cpu(*operands)` where the step is lowered for the CPU, `default(*operands)`
+  elsewhere (`jax.lax.platform_dependent`: XLA sees only the branch it runs)."""
+  return jax.lax.platform_dependent(*operands, cpu=cpu, default=default)
 
 
 def _alone(items: list[Stacked]) -> list[tuple[jax.Array, Any]]:
@@ -98,26 +100,30 @@ def _alone(items: list[Stacked]) -> list[tuple[jax.Array, Any]]:
   return [o.own() for o in items]
 
 
-def _stacked(items: list[Stacked]) -> list[tuple[jax.Array, Any]]:
-  """The estimator's results of `items` (one group) from one vmapped call."""
-  first = items[0]
-  g, stats, x = jax.tree.map(lambda *a: jnp.stack(a), *[o.args for o in items])
+def _stacked(first: Stacked, own: Any, args: list[tuple[Any, Any, Any]],
+             scalars: tuple[Any, Any, Any]) -> list[tuple[jax.Array, Any]]:
+  """The estimator's results of a group's leaves (`args` each) from one vmapped call
+  (`own`, the leaf-by-leaf results, unused: the CPU's branch)."""
+  del own
+  g, stats, x = jax.tree.map(lambda *a: jnp.stack(a), *args)
   # The old statistics read by one kernel: the new ones are written in place of the
   # donated old ones, and XLA copies an old statistic first where two kernels read it
   # (one copy kernel per leaf).
   stats = jax.lax.optimization_barrier(stats)
-  u, new = _stacked_update(first.estimator, first.static, g, stats, x, first.scalars)
-  return [(u[j], jax.tree.map(lambda a, j=j: a[j], new)) for j in range(len(items))]
+  u, new = _stacked_update(first.estimator, first.static, g, stats, x, scalars)
+  return [(u[j], jax.tree.map(lambda a, j=j: a[j], new)) for j in range(len(args))]
 
 
 def run(out: list[Any]) -> list[Any]:
   """`out` with every `Stacked` entry replaced by its leaf's result: one vmapped call
-  per group of two or more, a group of one on its own.
+  per group of two or more where the step is lowered for a GPU (or any platform but the
+  CPU), each leaf on its own on the CPU.
 
-  The choice is made when the step is lowered (`jax.lax.platform_dependent`): XLA:CPU
-  runs each leaf alone, as without stacking. A CPU kernel costs no launch, and a stacked
-  reduction may add its terms in another order (float32 rounding: tests/test_stacking.py
-  bounds it), so on the CPU the results stay bitwise those of the leaf-by-leaf update.
+  XLA:CPU runs each leaf alone, as without stacking: a CPU kernel costs no launch, and a
+  stacked reduction may add its terms in another order (float32 rounding:
+  tests/test_stacking.py bounds it), so on the CPU the results stay bitwise those of the
+  leaf-by-leaf update. The leaves' own calls are traced for every platform (a platform
+  that runs the stacked call drops them as dead code).
   """
   out = list(out)
   groups: dict[Any, list[int]] = {}
@@ -126,15 +132,14 @@ def run(out: list[Any]) -> list[Any]:
       groups.setdefault(o.key, []).append(i)
   for idx in groups.values():
     items = [out[i] for i in idx]
-    results = None
+    results = _alone(items)
     if len(idx) > 1:
       try:
-        results = by_platform(cpu=functools.partial(_alone, items),
-                              default=functools.partial(_stacked, items))
+        results = by_platform(results, [o.args for o in items], items[0].scalars,
+                              cpu=lambda own, args, scalars: own,
+                              default=functools.partial(_stacked, items[0]))
       except (ValueError, TypeError, NotImplementedError):
-        pass  # leaf by leaf below: an error then names its leaf
-    if results is None:
-      results = _alone(items)
+        pass  # each leaf on its own: what the estimator cannot do stacked
     for i, o, (u, new) in zip(idx, items, results):
       out[i] = o.resume(u, new)
   return out

@@ -366,15 +366,28 @@ def goals(peak: list[dict[str, Any]], update: list[dict[str, Any]]) -> list[str]
 
 
 def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
-         path: Path) -> None:
-  """Three panels: the 6.78B step's peak, the update's bytes against AdamW's, and the
-  roofline estimate of the 128.7M update beside its measured time."""
+         path: Path, before: list[dict[str, Any]] = ()) -> None:
+  """Three panels: the 6.78B step's peak (or, without peak rows, the update's kernels
+  before and after against `before`'s rows), the update's bytes against AdamW's, and
+  the roofline estimate of the 128.7M update beside its measured time."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import numpy as np
 
   fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(18, 5))
+  old = {(r['tree'], r['dtype'], r['leaves'], r['step']): r for r in before}
+  pairs = [(old[k], r) for r in update
+           if (k := (r['tree'], r['dtype'], r['leaves'], r['step'])) in old]
+  if not peak and pairs:
+    x = np.arange(len(pairs))
+    ax0.bar(x - 0.2, [b['kernels'] for b, _ in pairs], 0.4, label='before')
+    ax0.bar(x + 0.2, [r['kernels'] for _, r in pairs], 0.4, label='after')
+    ax0.set_xticks(x, [f"{r['step']}, {r['leaves']}, {r['dtype']}" for _, r in pairs],
+                   rotation=35, ha='right', fontsize=6)
+    ax0.set_ylabel('kernels of the update + apply')
+    ax0.set_title(f'kernels before and after (XLA:GPU plan, {target})', fontsize=9)
+    ax0.legend(fontsize=7)
   mine = [r for r in peak if r['config'] == 'paper-6.78b']
   if mine:
     x = np.arange(len(mine))
@@ -496,6 +509,9 @@ def main() -> None:
   stem = args.stem or f'gpu_compile_{args.target}'
   compared = []
   if args.before:
+    # The H200 measurements (results/gpu/) are of the package before: not this run's.
+    for r in update:
+      r.pop('measured_ms', None)
     before = json.loads(Path(args.before).read_text())
     payload['before'] = {k: before.get(k) for k in ('command', 'note', 'update')}
     compared = before_after(before, update)
@@ -508,7 +524,8 @@ def main() -> None:
                      f"(`gpu_specs/{args.target}.txtpb`)", '']
                   + compared + [markdown(args.target, peak, update)])
   (out / f'{stem}.md').write_text(md)
-  plot(args.target, peak, update, out / f'{stem}.png')
+  plot(args.target, peak, update, out / f'{stem}.png',
+       payload['before']['update'] if args.before else ())
   print(md)
 
 

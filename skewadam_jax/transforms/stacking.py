@@ -13,9 +13,11 @@ gradients, numerators and statistics are stacked on a new leading axis inside th
   u_i, new_i = update(g_i, stats_i, x_i)   for each leaf i of a group    (as before)
   U, NEW = vmap(update)(stack(g), stack(stats), stack(x));  u_i = U[i], new_i = NEW[i]
 
-Per item the operations are the same; on the CPU the results are bitwise equal
-(tests/test_stacking.py). A GPU may order a stacked reduction differently, which
-changes a sum by float32 rounding, as any change of XLA's tiling does.
+Per item the operations are the same, but XLA may add a stacked reduction's terms in
+another order: float32 rounding, within a few ulp of the leaf-by-leaf update
+(tests/test_stacking.py). So the choice is made when the step is lowered: the CPU, where
+a kernel costs no launch, runs each leaf alone, bitwise as without stacking; GPUs and
+TPUs run the stacked call.
 
 Only leaves of at most `MAX_STACKED_SIZE` elements stack: above it a leaf's kernels
 stream memory for longer than a launch takes, and stacking costs traffic (XLA then
@@ -64,7 +66,7 @@ def stackable(estimator: _second_moment.SecondMoment, args: tuple[Any, Any, Any]
   """Whether a leaf with `args` (g, statistics, x) may stack: its estimator declares
   `stacks`, it is small (`MAX_STACKED_SIZE`) and it varies over no manual mesh axis."""
   g = args[0]
-  if not getattr(estimator, 'stacks', False) or g.size > MAX_STACKED_SIZE:
+  if not estimator.stacks or g.size > MAX_STACKED_SIZE:
     return False
   return not any(_second_moment.varying_axes(a) for a in jax.tree.leaves(args))
 

@@ -42,7 +42,8 @@ Setup (once; a separate environment keeps the CPU one free of CUDA wheels):
       python -c 'import jax; print(jax.__version__)')"       # the plugin of that jax
   python benchmarks/gpu_compile.py          # H200, every part: ~4.5 min on 2 cores
 
-Writes results/gpu_compile_<target>.{json,md,png} under benchmarks/.
+Writes results/gpu_compile_<target>.{json,md,png} under benchmarks/ (`--stem` names them
+otherwise; `--before` adds an earlier run's update rows beside this one's).
 """
 
 from __future__ import annotations
@@ -365,15 +366,28 @@ def goals(peak: list[dict[str, Any]], update: list[dict[str, Any]]) -> list[str]
 
 
 def plot(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]],
-         path: Path) -> None:
-  """Three panels: the 6.78B step's peak, the update's bytes against AdamW's, and the
-  roofline estimate of the 128.7M update beside its measured time."""
+         path: Path, before: list[dict[str, Any]] = ()) -> None:
+  """Three panels: the 6.78B step's peak (or, without peak rows, the update's kernels
+  before and after against `before`'s rows), the update's bytes against AdamW's, and
+  the roofline estimate of the 128.7M update beside its measured time."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import numpy as np
 
   fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(18, 5))
+  old = {(r['tree'], r['dtype'], r['leaves'], r['step']): r for r in before}
+  pairs = [(old[k], r) for r in update
+           if (k := (r['tree'], r['dtype'], r['leaves'], r['step'])) in old]
+  if not peak and pairs:
+    x = np.arange(len(pairs))
+    ax0.bar(x - 0.2, [b['kernels'] for b, _ in pairs], 0.4, label='before')
+    ax0.bar(x + 0.2, [r['kernels'] for _, r in pairs], 0.4, label='after')
+    ax0.set_xticks(x, [f"{r['step']}, {r['leaves']}, {r['dtype']}" for _, r in pairs],
+                   rotation=35, ha='right', fontsize=6)
+    ax0.set_ylabel('kernels of the update + apply')
+    ax0.set_title(f'kernels before and after (XLA:GPU plan, {target})', fontsize=9)
+    ax0.legend(fontsize=7)
   mine = [r for r in peak if r['config'] == 'paper-6.78b']
   if mine:
     x = np.arange(len(mine))
@@ -441,7 +455,38 @@ def build_parser() -> argparse.ArgumentParser:
               choices=['float32', 'bfloat16'],
               help="parameter and gradient dtypes of the update's tree")
   _cli.option(ap, '--out', default=str(RESULTS), help='directory for the JSON, markdown, PNG')
+  _cli.option(ap, '--stem', default=None,
+              help='name of the JSON, markdown and PNG files (default gpu_compile_<target>)')
+  _cli.option(ap, '--note', default='', help='a line said under the title (what was run)')
+  _cli.option(ap, '--before', default=None,
+              help="JSON of an earlier run (e.g. of the package before a change): its "
+                   "update rows' kernels, bytes per parameter and temp beside this run's")
   return ap
+
+
+def before_after(before: dict[str, Any], update: list[dict[str, Any]]) -> list[str]:
+  """The table of the update rows of `before` (an earlier run's payload) and this run's
+  that have the same tree, dtype, leaves and step."""
+  key = lambda r: (r['tree'], r['dtype'], r['leaves'], r['step'])  # noqa: E731
+  old = {key(r): r for r in before['update']}
+  table = []
+  for r in update:
+    b = old.get(key(r))
+    if b is None:
+      continue
+    table.append([f"{r['tree']}, {r['dtype']}", r['leaves'],
+                  step_time.LABELS.get(r['step'], r['step']),
+                  b['kernels'], r['kernels'], _ratio(b, 'kernels_vs_adamw'),
+                  _ratio(r, 'kernels_vs_adamw'), f"{b['bytes_per_param']:.2f}",
+                  f"{r['bytes_per_param']:.2f}", f"{b['temp_bytes'] / 2**20:.2f}",
+                  f"{r['temp_bytes'] / 2**20:.2f}", f"{b['roofline_ms']:.2f}",
+                  f"{r['roofline_ms']:.2f}"])
+  header = ['tree, dtype', 'leaves', 'step', 'kernels before', 'kernels after',
+            'x adamw before', 'x adamw after', 'bytes/param before', 'bytes/param after',
+            'temp MiB before', 'temp MiB after', 'roofline ms before', 'roofline ms after']
+  note = f"{before['note']} " if before.get('note') else ''
+  return ['### Before and after', '', f"Before: {note}`{before['command']}`", '',
+          _common.markdown_table(header, table, align='lll' + 'r' * 10), '']
 
 
 def main() -> None:
@@ -458,15 +503,29 @@ def main() -> None:
              'target': args.target, 'device': str(device),
              'target_config': (_common.GPU_SPECS / f'{args.target}.txtpb').read_text(),
              'peak': peak, 'update': update}
+  if args.note:
+    payload['note'] = args.note
   out = Path(args.out)
-  stem = f'gpu_compile_{args.target}'
+  stem = args.stem or f'gpu_compile_{args.target}'
+  compared = []
+  if args.before:
+    # The H200 measurements (results/gpu/) are of the package before: not this run's.
+    for r in update:
+      r.pop('measured_ms', None)
+    before = json.loads(Path(args.before).read_text())
+    payload['before'] = {k: before.get(k) for k in ('command', 'note', 'update')}
+    compared = before_after(before, update)
   _common.write_json(out / f'{stem}.json', payload)
   md = '\n'.join([f'## XLA:GPU compile-only figures for {args.target} (no device)', '',
-                  f"`{payload['command']}`", '', _common.machine_line(payload['machine'])
-                  + f"; compiled for {device.device_kind} (`gpu_specs/{args.target}.txtpb`)",
-                  '', markdown(args.target, peak, update)])
+                  f"`{payload['command']}`", '']
+                  + ([args.note, ''] if args.note else [])
+                  + [_common.machine_line(payload['machine'])
+                     + f"; compiled for {device.device_kind} "
+                     f"(`gpu_specs/{args.target}.txtpb`)", '']
+                  + compared + [markdown(args.target, peak, update)])
   (out / f'{stem}.md').write_text(md)
-  plot(args.target, peak, update, out / f'{stem}.png')
+  plot(args.target, peak, update, out / f'{stem}.png',
+       payload['before']['update'] if args.before else ())
   print(md)
 
 

@@ -68,6 +68,13 @@ class SecondMoment(abc.ABC):
       in errors). The tier then traces the update once per shape and caches the
       statistics' shapes per shape, as for the built-in `Exact`, `Factored` and
       `Grouped`; otherwise it traces `update` once per leaf.
+    stacks: whether leaves of one shape may share one call of `update` vmapped over
+      their stacked arrays (`per_shape` too, and `update` a function of its arguments
+      item by item, as any `jax.vmap`-able function is): the tier then stacks the
+      gradients, numerators and statistics of small leaves with equal shapes, dtypes
+      and options inside the step and runs one call per group, so that each of the
+      update's reductions is one kernel for the group (transforms/stacking.py). The
+      state keeps one entry per leaf. True for `Exact`, `Factored` and `Grouped`.
     reduces_matrices: whether `update` reduces over each matrix's axes (row and column
       statistics, an orthogonalisation), so that it needs whole matrices: inside
       `shard_map` a leaf of such an estimator with no batch axes must not vary over
@@ -76,6 +83,7 @@ class SecondMoment(abc.ABC):
 
   name: str = 'second moment'
   per_shape: bool = False
+  stacks: bool = False
   reduces_matrices: bool = False
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None

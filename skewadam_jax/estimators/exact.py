@@ -41,6 +41,7 @@ class Exact(_second_moment.SecondMoment):
   batch_axes: Optional[tuple[int, ...]] = None  # None: all but the last two axes
   name = 'exact'
   per_shape = True  # the path only names the leaf in errors
+  stacks = True  # item by item: leaves of one shape share one vmapped call
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> _second_moment.SecondMoment:

@@ -100,6 +100,7 @@ class Factored(_second_moment.SecondMoment):
   batch_axes: Optional[tuple[int, ...]] = None
   name = 'factored'
   per_shape = True  # the path only names the leaf in errors
+  stacks = True  # item by item: leaves of one shape share one vmapped call
   reduces_matrices = True
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None

@@ -112,6 +112,7 @@ class Grouped(_second_moment.SecondMoment):
   batch_axes: Optional[tuple[int, ...]] = None  # per leaf (`for_leaf`); None: default
   name = 'grouped'
   per_shape = True  # the path only names the leaf in errors
+  stacks = True  # item by item: leaves of one shape share one vmapped call
 
   def __post_init__(self):
     _checks.check_positive_int('group_size', self.group_size)

@@ -22,6 +22,7 @@ from skewadam_jax.estimators import base as _second_moment
 from skewadam_jax.core import tree as _tree
 
 from skewadam_jax.transforms import plan as _plan
+from skewadam_jax.transforms import stacking as _stacking
 from skewadam_jax.transforms import step_scalars as _step_scalars
 from skewadam_jax.transforms import tier_slices as _tier_slices
 from skewadam_jax.transforms.tier import Tier
@@ -198,7 +199,7 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
                 g: jax.Array, mu: Any, present: Mapping[str, Any], t: jax.Array,
                 scalars: _step_scalars.TierScalars, dtype: Any = None, defer: bool = False,
                 path_key: Any = None
-                ) -> Union[tuple[jax.Array, dict[str, Any]], Deferred]:
+                ) -> Union[tuple[jax.Array, dict[str, Any]], Deferred, _stacking.Stacked]:
   """A leaf's update under `tier` (`t` the step count after it, as a float32; `scalars`
   its tier's `step_scalars.tier_scalars`), in `dtype` (default the gradient's;
   `per_leaf.update_dtype`), and its new state (field name -> array; a coded momentum as
@@ -206,8 +207,9 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
   leaf's `path_hash` as `codec_path_hashes` gives it (None: computed here, a constant).
 
   With `defer`, a leaf whose estimator shares work (`SecondMoment.shared`, e.g. the
-  Newton-Schulz iteration of `Orthogonal`) returns a `Deferred` instead, which `resolve`
-  completes together with the others of its group."""
+  Newton-Schulz iteration of `Orthogonal`) returns a `Deferred` instead, and one whose
+  estimator `stacks` a `stacking.Stacked`, which `resolve` completes together with the
+  others of its group."""
   # Every full-size array below is either an input, a state output or computed inside
   # the one fused pass that also applies the update: statistics come from reductions
   # over the stored arrays, and nothing of the leaf's size is materialised in between
@@ -274,15 +276,24 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
       if shared.alone:  # e.g. a sharded batch: its work runs where it lies
         return end(shared.finish(shared.group.run_one(shared.operand)), {})
       return Deferred(shared, lambda o: end(shared.finish(o), {}))
-  if (estimator.per_shape and _hashable(estimator) and _checks.is_concrete_number(step.b2)
-      and _checks.is_concrete_number(step.eps)):  # not traced (inject_hyperparams)
-    try:
-      return end(*_cached_update(estimator, step._replace(path='', bc2=None, num_scale=None,
-                                                          bc1_scale=None), g, dict(present),
-                                 x, (step.bc2, step.num_scale, step.bc1_scale)))
-    except (ValueError, TypeError):  # raised again below, naming the leaf
-      pass
-  return end(*estimator.update(g, present, x, step))
+  cached = (estimator.per_shape and _hashable(estimator) and _checks.is_concrete_number(step.b2)
+            and _checks.is_concrete_number(step.eps))  # not traced (inject_hyperparams)
+  static = step._replace(path='', bc2=None, num_scale=None, bc1_scale=None)
+  step_scalars = (step.bc2, step.num_scale, step.bc1_scale)
+
+  def own() -> tuple[jax.Array, Any]:  # the estimator's update of this leaf alone
+    if cached:
+      try:
+        return _cached_update(estimator, static, g, dict(present), x, step_scalars)
+      except (ValueError, TypeError):  # raised again below, naming the leaf
+        pass
+    return estimator.update(g, present, x, step)
+
+  args = (g, dict(present), x)
+  if defer and cached and _stacking.stackable(estimator, args):
+    return _stacking.Stacked(_stacking.key_of(estimator, static, step_scalars, args),
+                             estimator, static, args, step_scalars, end, own)
+  return end(*own())
 
 
 # An update that depends on shapes and static options only (`SecondMoment.per_shape`)
@@ -350,7 +361,9 @@ def resolve(out: list[Any], t: jax.Array) -> list[tuple[jax.Array, dict[str, Any
   """`out` with every `Deferred` completed: the leaves of one group (and of the smaller
   groups `shared_calls` puts with it) share one `group.run` of the host group, instead
   of one call per leaf; the same operations per item. `t`: the step count (float32),
-  which keeps per-leaf offsets runtime values (`SharedGroup.run`'s key)."""
+  which keeps per-leaf offsets runtime values (`SharedGroup.run`'s key). Leaves whose
+  estimator `stacks` run first, one vmapped call per group (`stacking.run`)."""
+  out = _stacking.run(out)
   deferred = [i for i, o in enumerate(out) if isinstance(o, Deferred)]
   calls = shared_calls([out[i].shared.group for i in deferred],
                        [out[i].shared.operand.shape[0] for i in deferred])

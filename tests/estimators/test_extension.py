@@ -57,27 +57,54 @@ def _step_jaxpr(tier: sj.Tier):
   return jax.make_jaxpr(lambda g, s: tx.update(g, s))(_grads(), state)
 
 
-def _cached_calls(jaxpr) -> list:
-  return [e for e in jaxpr.eqns if e.primitive.name in ('pjit', 'jit')
-          and e.params.get('name') == '_cached_update']
+def _cached_calls(jaxpr, name: str = '_cached_update') -> list:
+  """The calls of the jitted `name` in `jaxpr`, also inside the branches of a
+  conditional (the stacked groups' `platform_dependent`)."""
+  out = []
+  for e in jaxpr.eqns:
+    if e.primitive.name in ('pjit', 'jit') and e.params.get('name') == name:
+      out.append(e)
+      continue
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, 'jaxpr', sub)
+        if hasattr(inner, 'eqns'):
+          out += _cached_calls(inner, name)
+  return out
+
+
+def _calls_and_bodies(jaxpr, name: str) -> tuple[int, int]:
+  calls = _cached_calls(jaxpr, name)
+  return len(calls), len({id(e.params['jaxpr']) for e in calls})
 
 
 @pytest.mark.parametrize('builtin', [sj.Exact(), sj.Factored()])
 def test_a_per_shape_user_estimator_is_traced_once_per_shape_as_a_builtin(builtin):
-  # Five leaves of two shapes: one jitted call per leaf, one traced body per shape, for
-  # the docs' RowMean as for the built-in; and the step's top level is the same size.
+  # Five leaves of two shapes: one jitted call per leaf and one traced body per shape
+  # (the CPU's leaf-by-leaf update), and one stacked call per shape (`stacks`: other
+  # platforms), for the docs' RowMean as for the built-in; the step's top level is the
+  # same size. Without `stacks`, no stacked call.
   got = {}
   for name, est in (('user', RowMean()), ('builtin', builtin)):
     jaxpr = _step_jaxpr(sj.Tier(second_moment=est, clip_threshold=None))
-    calls = _cached_calls(jaxpr)
-    got[name] = (len(calls), len({id(e.params['jaxpr']) for e in calls}), len(jaxpr.eqns))
-  assert got['user'][:2] == (len(SHAPES), len(set(SHAPES.values()))), got
+    got[name] = (_calls_and_bodies(jaxpr, '_cached_update'),
+                 _calls_and_bodies(jaxpr, '_stacked_update'), len(jaxpr.eqns))
+  shapes = len(set(SHAPES.values()))
+  assert got['user'][:2] == ((len(SHAPES), shapes), (shapes, shapes)), got
   assert got['user'] == got['builtin'], got
+
+  class RowMeanAlone(RowMean):
+    stacks = False
+
+  jaxpr = _step_jaxpr(sj.Tier(second_moment=RowMeanAlone(), clip_threshold=None))
+  assert _calls_and_bodies(jaxpr, '_cached_update') == (len(SHAPES), shapes)
+  assert _calls_and_bodies(jaxpr, '_stacked_update') == (0, 0)
 
 
 def test_a_per_shape_user_estimator_is_traced_once_per_shape(monkeypatch):
-  # Counting Python traces of `update` (a fresh jit cache): one per shape, not per leaf;
-  # without `per_shape`, one per leaf.
+  # Counting Python traces of `update` (a fresh jit cache): per shape, not per leaf,
+  # once for the CPU's leaf-by-leaf update and once stacked (`stacks`, for other
+  # platforms); without `per_shape`, one per leaf.
   counts = {}
   for per_shape in (True, False):
     calls = []
@@ -89,7 +116,7 @@ def test_a_per_shape_user_estimator_is_traced_once_per_shape(monkeypatch):
     _step_jaxpr(sj.Tier(second_moment=RowMean(), clip_threshold=None))
     counts[per_shape] = len(calls)
     monkeypatch.undo()
-  assert counts == {True: len(set(SHAPES.values())), False: len(SHAPES)}, counts
+  assert counts == {True: 2 * len(set(SHAPES.values())), False: len(SHAPES)}, counts
 
 
 def test_a_user_estimator_shares_the_newton_schulz_call_as_orthogonal():

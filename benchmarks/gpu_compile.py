@@ -281,6 +281,19 @@ def update_rows(device: Any, names: list[str], tree_name: str, dtype: str
   return rows
 
 
+def _measured_when() -> str:
+  """When the H200 timings were last written: they time the code of that commit, which
+  may be older than the plans beside them."""
+  import subprocess  # noqa: PLC0415
+  files = sorted((RESULTS / 'gpu').glob('step_time_gpu_*.json'))
+  if not files:
+    return ''
+  log = subprocess.run(['git', 'log', '-1', '--format=%h %cs', '--', *map(str, files)],
+                       cwd=RESULTS, capture_output=True, text=True).stdout.strip()
+  return (f' (timed on the code of {log}, which may predate these plans: compare a '
+          'measured time with its plan only where the code is the same)') if log else ''
+
+
 def markdown(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any]]) -> str:
   parts = []
   for config in dict.fromkeys(r['config'] for r in peak):
@@ -325,7 +338,8 @@ def markdown(target: str, peak: list[dict[str, Any]], update: list[dict[str, Any
   parts += [f'Roofline: max(bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s, dot flops / '
             f'{BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s) + kernels x {LAUNCH_S * 1e6:.0f} us '
             "(in parentheses: the larger of the first two, then the launches). 'measured': "
-            "step_time.py's median on an H200 (results/gpu/), where a run exists.", '']
+            "step_time.py's median on an H200 (results/gpu/), where a run exists"
+            f'{_measured_when()}.', '']
   parts += goals(peak, update)
   return '\n'.join(parts)
 

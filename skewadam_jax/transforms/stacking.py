@@ -28,7 +28,7 @@ gradient). Leaves that vary over a manual mesh axis (inside `shard_map`) update 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -72,13 +72,19 @@ def stackable(estimator: _second_moment.SecondMoment, args: tuple[Any, Any, Any]
 
 
 def key_of(estimator: _second_moment.SecondMoment, static: _second_moment.Step,
-           scalars: tuple[Any, Any, Any], args: tuple[Any, Any, Any]) -> Any:
+           scalars: tuple[Any, Any, Any], args: tuple[Any, Any, Any]) -> Optional[Any]:
   """What leaves that stack share: the estimator and static step (hashable), the
   tier's scalars (the same arrays), and the arrays' structure, shapes, dtypes and
-  shardings."""
+  shardings; None where the step cannot be a key (a hyperparameter given as a NumPy
+  array is concrete but unhashable): that leaf updates on its own."""
   leaves, treedef = jax.tree.flatten(args)
-  return (estimator, static, tuple(id(s) for s in scalars), treedef,
-          tuple((tuple(a.shape), jnp.dtype(a.dtype), _sharding(a)) for a in leaves))
+  key = (estimator, static, tuple(id(s) for s in scalars), treedef,
+         tuple((tuple(a.shape), jnp.dtype(a.dtype), _sharding(a)) for a in leaves))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

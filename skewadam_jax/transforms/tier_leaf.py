@@ -290,9 +290,10 @@ def update_leaf(tier: Tier, leaf: _plan.LeafPlan, b1: Any, b2: Any, eps: Any,
     return estimator.update(g, present, x, step)
 
   args = (g, dict(present), x)
-  if defer and cached and _stacking.stackable(estimator, args):
-    return _stacking.Stacked(_stacking.key_of(estimator, static, step_scalars, args),
-                             estimator, static, args, step_scalars, end, own)
+  key = (_stacking.key_of(estimator, static, step_scalars, args)
+         if defer and cached and _stacking.stackable(estimator, args) else None)
+  if key is not None:
+    return _stacking.Stacked(key, estimator, static, args, step_scalars, end, own)
   return end(*own())
 
 

@@ -201,3 +201,17 @@ def test_a_stacking_estimator_that_breaks_its_state_is_named_per_leaf():
   tx = sj.scale_by_tiered_adam(tier=sj.Tier(second_moment=_BrokenStats()))
   with pytest.raises(ValueError, match=r'\ba\b'):
     tx.update(params, tx.init(params))
+
+
+@pytest.mark.parametrize('spell', [np.float32, np.asarray, jnp.asarray],
+                         ids=['numpy scalar', 'numpy array', 'jax array'])
+def test_hyperparameters_given_as_arrays_step_equal_leaves_as_leaf_by_leaf(spell):
+  # A hyperparameter given as an array (a NumPy array is concrete but unhashable, so it
+  # cannot key a group) updates: on the CPU bitwise as the leaf-by-leaf update.
+  shapes = _model(9, 7, 3, 2)
+  tx = sj.skewadam(1e-2, b1=spell(0.9), b2=spell(0.999), eps=spell(1e-30))
+  got = _run(tx, shapes, jnp.float32)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(_stacking, 'MAX_STACKED_SIZE', 0)  # every leaf alone
+    alone = _run(tx, shapes, jnp.float32)
+  _compare(got, alone)

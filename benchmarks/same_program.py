@@ -10,6 +10,8 @@ fresh process, and compares:
 
 * the optimised HLO module, with its metadata (source lines, op names) and the module's
   name removed, by sha256: `same` when equal;
+* the lowered (StableHLO) module, without source locations: what XLA is given, so
+  `same` means the same compile work (and the optimised program's `same` the same step);
 * its kernel count (the entry computation's instructions that launch work: fusions,
   custom calls, copies and the like; parameters, constants, tuples and bitcasts are
   free);
@@ -36,7 +38,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ('adamw', 'skewadam', 'skewadam-adam-eps-tiers', 'skewadam-muon-tiers',
@@ -112,9 +114,11 @@ def measure(preset: str, model_preset: str) -> dict[str, Any]:
   t2 = time.process_time()
   text = compiled.as_text()
   mem = compiled.memory_analysis()
+  lowered_text = re.sub(r'loc\([^)]*\)|#loc\d*( = .*)?', '', lowered.as_text())
   return {
       'package': str(Path(skewadam_jax.__file__).resolve().parents[1]),
       'sha256': hashlib.sha256(normalised_hlo(text).encode()).hexdigest(),
+      'lowered_sha256': hashlib.sha256(lowered_text.encode()).hexdigest(),
       'kernels': kernel_count(text),
       'temp_bytes': int(mem.temp_size_in_bytes) if mem is not None else None,
       'state_bytes': int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))),
@@ -184,7 +188,9 @@ def main() -> None:
   rows = []
   for p in a.presets:
     b, h = sides['baseline'][p], sides['here'][p]
-    rows.append({'preset': p, 'same': b['sha256'] == h['sha256'], 'baseline': b, 'here': h})
+    rows.append({'preset': p, 'same': b['sha256'] == h['sha256'],
+                 'same_lowered': b.get('lowered_sha256') == h.get('lowered_sha256'),
+                 'baseline': b, 'here': h})
   out = Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   result = {'baseline': base_commit, 'here': here_commit, 'model': a.model, 'rows': rows}
@@ -192,6 +198,10 @@ def main() -> None:
   text = render(result)
   print(text)
   out.with_suffix('.md').write_text(text)
+
+
+def _same(flag: Optional[bool]) -> str:
+  return '-' if flag is None else ('same' if flag else 'differs')
 
 
 def render(result: dict[str, Any]) -> str:
@@ -202,8 +212,8 @@ def render(result: dict[str, Any]) -> str:
            'example model (XLA:CPU). CPU seconds: medians over '
            f"{result['rows'][0]['here'].get('samples', 1)} fresh processes per side, the "
            'sides alternating.', '',
-           '| preset | program | kernels | temp B | state B | trace + lower CPU s '
-           '| compile CPU s |', '|---|---|---|---|---|---|---|']
+           '| preset | optimised program | lowered program | kernels | temp B | state B '
+           '| trace + lower CPU s | compile CPU s |', '|---|---|---|---|---|---|---|---|']
 
   def pair(b, h, fmt):
     return f'{fmt.format(b)} -> {fmt.format(h)}'
@@ -212,6 +222,7 @@ def render(result: dict[str, Any]) -> str:
     b, h = row['baseline'], row['here']
     lines.append(
         f"| {row['preset']} | {'same' if row['same'] else 'differs'} "
+        f"| {_same(row.get('same_lowered'))} "
         f"| {pair(b['kernels'], h['kernels'], '{}')} "
         f"| {pair(b['temp_bytes'], h['temp_bytes'], '{:,}')} "
         f"| {pair(b['state_bytes'], h['state_bytes'], '{:,}')} "

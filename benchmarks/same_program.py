@@ -69,7 +69,8 @@ SOURCE_SECTIONS = ('FileNames', 'FunctionNames', 'FileLocations', 'StackFrames')
 
 def normalised_hlo(text: str) -> str:
   """The optimised module's text without what names where it came from (the module's
-  name, each instruction's metadata and the source tables of its stack frames)."""
+  name, each instruction's metadata, the source tables of its stack frames, the
+  counters in its names)."""
   kept, skipping = [], False
   for line in text.splitlines():
     if line.strip() in SOURCE_SECTIONS:
@@ -81,7 +82,12 @@ def normalised_hlo(text: str) -> str:
   text = '\n'.join(kept)
   text = re.sub(r',?\s*metadata=\{[^}]*\}', '', text)
   text = re.sub(r',?\s*stack_frame_id=\d+', '', text)
-  return re.sub(r'^HloModule \S+', 'HloModule m', text, flags=re.M)
+  text = re.sub(r'^HloModule \S+', 'HloModule m', text, flags=re.M)
+  # Instruction and computation names carry counters that follow the order in which
+  # the program was built (`add.51` in one, `add.44` in the other): numbered by first
+  # use, so that only what the program does is compared.
+  names: dict[str, str] = {}
+  return re.sub(r'%[\w.-]+', lambda m: names.setdefault(m.group(0), f'%v{len(names)}'), text)
 
 
 def kernel_count(text: str) -> int:

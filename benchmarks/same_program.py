@@ -86,8 +86,15 @@ def normalised_hlo(text: str) -> str:
   # Instruction and computation names carry counters that follow the order in which
   # the program was built (`add.51` in one, `add.44` in the other): numbered by first
   # use, so that only what the program does is compared.
+  # Parameters are named bare in a computation's header (`(param_0.12: f32[8]) -> ...`)
+  # and with '%' where used.
   names: dict[str, str] = {}
-  return re.sub(r'%[\w.-]+', lambda m: names.setdefault(m.group(0), f'%v{len(names)}'), text)
+
+  def number(m: re.Match) -> str:
+    name = m.group(0) if m.group(0).startswith('%') else '%' + m.group(0)
+    return names.setdefault(name, f'%v{len(names)}')
+
+  return re.sub(r'%[\w.-]+|(?<=[(, ])[A-Za-z_][\w.-]*(?=: )', number, text)
 
 
 def kernel_count(text: str) -> int:

@@ -381,7 +381,7 @@ def run_multihost(args: argparse.Namespace, work: Path, env: dict[str, str],
   save until `args.multihost_kills` are done, each followed by a restart of both."""
   import numpy as np
 
-  script = Path(env['CRASH_RESUME_REPO']) / 'tests' / 'multihost_runs.py'
+  script = Path(env['CRASH_RESUME_REPO']) / 'tests' / 'support' / 'multihost_runs.py'
   for old in work.glob('multihost_*'):
     shutil.rmtree(old)
   ref_out, out = work / 'multihost_ref_out', work / 'multihost_out'

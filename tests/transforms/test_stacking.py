@@ -81,7 +81,7 @@ def _forced(patch) -> None:
 
 
 def _compare(got, want, within_ulp: bool = False):
-  """Bitwise equal, or `within_ulp` (tests/ulp.py's bounds: 8 float32 ulp, 2 bfloat16)."""
+  """Bitwise equal, or `within_ulp` (tests/support/ulp.py's bounds: 8 float32 ulp, 2 bfloat16)."""
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == b.dtype and a.shape == b.shape
     if within_ulp:
@@ -110,7 +110,7 @@ def _model(rows: int, cols: int, copies: int, experts: int) -> dict:
 def test_stacked_updates_equal_leaf_by_leaf(tiers):
   # Groups of equal matrices, vectors, expert banks and router kernels in each tier,
   # three steps. On the CPU: bitwise the leaf-by-leaf results. Stacked (forced):
-  # within a few ulp of them (a reduction's terms in another order: tests/ulp.py's
+  # within a few ulp of them (a reduction's terms in another order: tests/support/ulp.py's
   # bounds, those between two CPUs).
   shapes = _model(9, 7, 3, 2)
   tx = sj.skewadam(1e-2, weight_decay=0.1, tiers=TIERS[tiers])

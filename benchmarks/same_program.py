@@ -42,25 +42,17 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ('adamw', 'skewadam', 'skewadam-adam-eps-tiers', 'skewadam-muon-tiers',
-           'skewadam-muon-coded-tiers', 'adampm')
+           'skewadam-muon-coded-tiers', 'adampm')  # keys of compile_time.OPTIMIZERS
 # Entry-computation instructions that launch no kernel.
 FREE = ('parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast')
 
 
 def _optimizer(name: str):
-  import optax  # noqa: PLC0415
-  import skewadam_jax as sj  # noqa: PLC0415
-  lr, wd = 3e-4, 0.1
-  return {
-      'adamw': lambda: optax.adamw(lr, weight_decay=wd),
-      'skewadam': lambda: sj.skewadam(lr, weight_decay=wd),
-      'skewadam-adam-eps-tiers': lambda: sj.skewadam(lr, weight_decay=wd,
-                                                     tiers=sj.ADAM_EPS_TIERS),
-      'skewadam-muon-tiers': lambda: sj.skewadam(lr, weight_decay=wd, tiers=sj.MUON_TIERS),
-      'skewadam-muon-coded-tiers': lambda: sj.skewadam(lr, weight_decay=wd,
-                                                       tiers=sj.MUON_CODED_TIERS),
-      'adampm': lambda: sj.adampm(lr, weight_decay=wd, group_size=8),
-  }[name]()
+  """`compile_time.py`'s optimizer of that name. Imported once this process's package is
+  on `sys.path` (`--one`: the checkout measured first, this repository after it), so that
+  `_common` finds the repository on the path and leaves the order as it is."""
+  import compile_time  # noqa: PLC0415
+  return compile_time.OPTIMIZERS[name]()
 
 
 # Sections of the module's text that only say where each instruction came from.

@@ -138,6 +138,7 @@ _HLO_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$')
 # The computations an instruction runs: a loop's body and condition, a fusion's or an
 # async op's callee, a reduction's combiner, a call's target.
 HLO_CALLED = re.compile(r'(body|condition|calls|to_apply)=%?([\w.\-]+)')
+HLO_CALLED_FUSION = re.compile(r'\bcalls=%?([\w.\-]+)')
 # XLA's annotation of a `while` whose trip count it proved constant.
 HLO_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
@@ -177,34 +178,65 @@ def _hlo_type_bytes(type_text: str) -> int:
   return total
 
 
+def hlo_in_place_update(comps: dict[str, list[tuple[str, str, str, str]]], name: str
+                        ) -> tuple[int, int] | None:
+  """(operand index of the buffer, bytes of the update) of a fusion computation `name`
+  whose root is a `dynamic-update-slice` into one of its parameters, else None.
+
+  XLA runs such a fusion in place (its result shares the buffer's allocation, or a copy
+  kernel of its own comes before it): it writes the updated slice and reads its other
+  operands, not the whole buffer, as XLA's own cost analysis counts it.
+  """
+  insts = comps.get(name, [])
+  if not insts or insts[-1][2] != 'dynamic-update-slice':  # the root is printed last
+    return None
+  types = {i: t for i, t, _, _ in insts}
+  params = {i: int(re.match(r'(\d+)', rest).group(1))
+            for i, _, op, rest in insts if op == 'parameter'}
+  args = re.findall(r'%([\w.\-]+)', insts[-1][3])
+  if len(args) < 2 or args[0] not in params:
+    return None
+  return params[args[0]], _hlo_type_bytes(types[args[1]])
+
+
+def hlo_instruction_bytes(comps: dict[str, list[tuple[str, str, str, str]]],
+                          sizes: dict[str, int], iname: str, rest: str) -> int:
+  """Bytes one kernel (instruction `iname`, the rest of its line `rest`) reads and
+  writes: its operands and its result, or for an in-place update
+  (`hlo_in_place_update`) its other operands and the updated slice. `sizes` holds the
+  byte size of every instruction before it in its computation."""
+  operands = re.findall(r'%([\w.\-]+)', rest.split('), ', 1)[0])
+  callee = HLO_CALLED_FUSION.search(rest)
+  in_place = hlo_in_place_update(comps, callee.group(1)) if callee else None
+  if in_place is None:
+    return sizes[iname] + sum(sizes.get(a, 0) for a in operands)
+  buffer, update = in_place
+  return update + sum(sizes.get(a, 0) for i, a in enumerate(operands) if i != buffer)
+
+
 def hlo_kernel_bytes(hlo_text: str) -> tuple[int, int]:
   """Bytes read and written by the kernels of a compiled module's entry computation.
 
   Every instruction of the optimised ENTRY computation that is not free (parameters,
   tuples, bitcasts, constants, barriers) is one kernel (a fusion, a library call, a
-  copy) that reads each operand and writes its result once. On the CPU this equals
-  XLA's own `cost_analysis()['bytes accessed']` up to a few bytes (XLA counts a scalar
-  operand once per use inside a fusion); a compile-only GPU executable has no cost
-  analysis. Loops are counted once (the optimizer
-  steps measured here have none).
+  copy) that reads each operand and writes its result once, but for a fusion that
+  updates a slice of a buffer in place, which writes that slice alone
+  (`hlo_instruction_bytes`). On the CPU this equals XLA's own
+  `cost_analysis()['bytes accessed']` up to a few bytes (XLA counts a scalar operand
+  once per use inside a fusion); a compile-only GPU executable has no cost analysis.
+  Loops are counted once (the optimizer steps measured here have none).
 
   Returns:
     `(bytes, kernels)`.
   """
-  start = hlo_text.index('\nENTRY')
-  entry = hlo_text[start:hlo_text.index('\n}', start)]
+  comps, entry = hlo_computations(hlo_text)
   sizes: dict[str, int] = {}
   total = kernels = 0
-  for line in entry.split('\n')[1:]:
-    m = _HLO_INSTR.match(line)
-    if not m:
-      continue
-    name, type_text, opcode, rest = m.groups()
-    sizes[name] = _hlo_type_bytes(type_text)
+  for iname, type_text, opcode, rest in comps[entry]:
+    sizes[iname] = _hlo_type_bytes(type_text)
     if opcode in _HLO_FREE:
       continue
-    operands = rest.split('), ', 1)[0]
-    total += sizes[name] + sum(sizes.get(a, 0) for a in re.findall(r'%([\w.\-]+)', operands))
+    total += hlo_instruction_bytes(comps, sizes, iname, rest)
     kernels += 1
   return total, kernels
 

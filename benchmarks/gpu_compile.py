@@ -122,9 +122,11 @@ def hlo_costs(hlo_text: str) -> dict[str, int]:
   As `_common.hlo_kernel_bytes` (every non-free instruction of the ENTRY computation is a
   kernel that reads its operands and writes its result once), but a `while` counts its
   body and condition `known_trip_count` times (`optax.contrib.muon` runs Newton-Schulz
-  in a loop) and a `call` its callee. Flops are those of the dots alone (HLO `dot`,
-  inside fusions too, and cuBLAS custom calls): a compile-only GPU executable has no
-  `cost_analysis()`, and the elementwise arithmetic is bounded by the bytes anyway.
+  in a loop), a `call` its callee, and a fusion that updates a slice of a buffer in
+  place (`dynamic-update-slice` at its root) writes that slice alone. Flops are those
+  of the dots alone (HLO `dot`, inside fusions too, and cuBLAS custom calls): a
+  compile-only GPU executable has no `cost_analysis()`, and the elementwise arithmetic
+  is bounded by the bytes anyway.
 
   Returns:
     `{'bytes', 'kernels', 'flops'}`.
@@ -170,9 +172,7 @@ def hlo_costs(hlo_text: str) -> dict[str, int]:
         b, k, f = run(called['to_apply'])
         total, kernels, flops = total + b, kernels + k, flops + f
         continue
-      operands = rest.split('), ', 1)[0]
-      total += sizes[iname] + sum(sizes.get(a, 0)
-                                  for a in re.findall(r'%([\w.\-]+)', operands))
+      total += _common.hlo_instruction_bytes(comps, sizes, iname, rest)
       kernels += 1
       if opcode == 'dot' or (opcode == 'custom-call'
                              and re.search(r'gemm|matmul', rest, re.IGNORECASE)):

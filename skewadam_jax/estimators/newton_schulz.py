@@ -68,15 +68,15 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
   (`X X^T` is the smaller Gram matrix), which gives the same result as on `X^T`.
 
   In float32 every operation is float32. In bfloat16 (Muon's own practice) the iterate
-  `X` is stored in bfloat16 and every product takes bfloat16 operands (`X`, the Gram
-  matrix `A`, the polynomial `b A + c A A`) and accumulates in float32
-  (`preferred_element_type`); the norm and the elementwise sums are float32, rounded
-  to bfloat16 once per iteration. Each step thus rounds its operands to 8 significant
-  bits (relative error <= 2^-8 each); the factor stays within 0.1 of the float32 one
-  in relative Frobenius norm and its singular values within 0.15, inside the spread the
-  float32 iteration leaves around 1; tests/estimators/test_orthogonal.py states the bounds and
-  why. Rounding the products to bfloat16 as well (the iteration without float32
-  accumulation) is further off (measured:
+  `X` is stored in bfloat16 and each step is `X <- (a I + A (b I + c A)) X`, `A = X X^T`:
+  three products of bfloat16 operands, each accumulated in float32 and rounded to
+  bfloat16 once, with the quintic's linear terms (`a X`, `b A`) summed inside the
+  products rather than added to their rounded results; the norm is float32. Each step
+  thus rounds its operands to 8 significant bits (relative error <= 2^-8 each); the
+  factor stays within 0.1 of the float32 one in relative Frobenius norm and its
+  singular values within 0.15, inside the spread the float32 iteration leaves around 1;
+  tests/estimators/test_orthogonal.py states the bounds and why. Muon's reference code
+  (each product rounded, then the sums in bfloat16) is further off (measured:
   benchmarks/RESULTS.md, "Numbers behind the library's choices").
 
   Args:
@@ -109,7 +109,16 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float] = NS_COEFFS,
 
 def _newton_schulz_bfloat16(x: jax.Array, coeffs: tuple[float, float, float], steps: int,
                             eps: float) -> jax.Array:
-  """`newton_schulz` with bfloat16 operands and float32 accumulation (its docstring)."""
+  """`newton_schulz` with bfloat16 operands and float32 accumulation (its docstring).
+
+  Each step is `X <- (a I + A (b I + c A)) X` with `A = X X^T`: the quintic's
+  `a X + (b A + c A A) X` with its linear terms folded into the products' operands, so
+  that every sum is accumulated inside a product. Why: XLA:GPU does not fuse an
+  elementwise epilogue (`a X + P X`, or a float32 product's rounding) into its matrix
+  kernels, so the written-out iteration (float32 products, then sums and roundings)
+  moved 268 bytes per matrix element over 5 steps against 136 for this form (square
+  [512, 512] matrices, benchmarks/gpu_compile.py's counter), and 2x the temporaries.
+  """
   a, b, c = coeffs
   transposed = x.shape[-2] > x.shape[-1]
   if transposed:
@@ -117,18 +126,24 @@ def _newton_schulz_bfloat16(x: jax.Array, coeffs: tuple[float, float, float], st
   f = x.astype(jnp.float32)
   norm = _xla.sqrt(jnp.sum(f * f, axis=(-2, -1), keepdims=True))
   x = _whole_matrices((f / (norm + eps)).astype(jnp.bfloat16))
+  eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
   for _ in range(steps):
-    gram = _dot32(x, jnp.swapaxes(x, -1, -2))
-    g16 = gram.astype(jnp.bfloat16)
-    poly = b * gram + c * _dot32(g16, g16)
-    x = _whole_matrices((a * x.astype(jnp.float32)
-                         + _dot32(poly.astype(jnp.bfloat16), x)).astype(jnp.bfloat16))
+    gram = _dot16(x, jnp.swapaxes(x, -1, -2))
+    poly = _dot16(gram, (c * gram.astype(jnp.float32) + b * eye).astype(jnp.bfloat16))
+    step = (poly.astype(jnp.float32) + a * eye).astype(jnp.bfloat16)
+    x = _whole_matrices(_dot16(step, x))
   return jnp.swapaxes(x, -1, -2) if transposed else x
 
 
-def _dot32(p: jax.Array, q: jax.Array) -> jax.Array:
-  """`p @ q` of bfloat16 operands, accumulated and returned in float32."""
-  return jnp.matmul(p, q, preferred_element_type=jnp.float32)
+def _dot16(p: jax.Array, q: jax.Array) -> jax.Array:
+  """`p @ q` of bfloat16 operands, rounded to bfloat16 once.
+
+  Every XLA backend accumulates a bfloat16 product in float32 (the GPU's and TPU's
+  matrix units, and XLA:CPU, which computes it in float32); `preferred_element_type`
+  names the result's dtype, so the product writes bfloat16 where a float32 result
+  would be written, read back and rounded by a kernel of its own.
+  """
+  return jnp.matmul(p, q, preferred_element_type=jnp.bfloat16)
 
 
 def _whole_matrices(x: jax.Array) -> jax.Array:

@@ -31,8 +31,8 @@ update RMS is `rms_scale` by construction; a tier's clip still applies per matri
 
 Cost: unlike the other estimators, the step is compute-bound and has full-size
 temporaries (the `X` of every matrix and the Gram products of each iteration, all
-batch slices at once). `ns_dtype` sets the iteration's dtype: bfloat16 operands with
-float32 accumulation, as Muon runs it, or float32; the default 'auto' is bfloat16 on
+batch slices at once). `ns_dtype` sets the iteration's dtype: bfloat16 products
+accumulated in float32, as Muon runs it, or float32; the default 'auto' is bfloat16 on
 GPU and TPU and float32 on CPU (see `iteration_dtype`). Its temporaries and time on
 XLA:CPU, against `optax.contrib.muon`'s:
 benchmarks/RESULTS.md, "Numbers behind the library's choices".

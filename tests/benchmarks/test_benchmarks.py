@@ -54,6 +54,25 @@ def test_kernel_bytes_of_a_copy():
   assert (kernel_bytes, kernels) == (2 * x.nbytes, 1)
 
 
+@pytest.mark.parametrize('rows', [1, 5])
+def test_kernel_bytes_of_an_in_place_update_are_the_slice_as_xla_counts_them(rows):
+  # A fusion writing a slice of a donated buffer runs in place: it moves the slice, not
+  # the buffer (16 MiB here), as XLA's cost analysis counts it; gpu_compile.py's loops
+  # write their chunks so.
+  import gpu_compile
+  buf, upd = jnp.zeros((64, 256, 256)), jnp.ones((rows, 256, 256))
+  f = jax.jit(lambda b, u, i: jax.lax.dynamic_update_slice(b, jnp.tanh(u) * 2, (i, 0, 0)),
+              donate_argnums=0)
+  compiled = f.lower(buf, upd, 3).compile()
+  ca = compiled.cost_analysis()
+  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+  kernel_bytes, kernels = _common.hlo_kernel_bytes(compiled.as_text())
+  assert kernels == 1
+  assert kernel_bytes == pytest.approx(ca['bytes accessed'], rel=1e-3)
+  assert kernel_bytes == pytest.approx(2 * upd.nbytes, rel=1e-3)
+  assert gpu_compile.hlo_costs(compiled.as_text())['bytes'] == kernel_bytes
+
+
 @pytest.mark.parametrize('n,trip', [(64, 3), (96, 40)])
 def test_hlo_costs_unroll_loops_and_count_dots(n, trip):
   # gpu_compile.py's plans count a loop's body once per trip and the dots' flops
@@ -348,3 +367,13 @@ def test_same_program_tells_the_same_program_from_another():
   assert norm[0] == norm[1] and norm[0] != norm[2]
   assert 'metadata=' not in norm[0] and 'FileNames' not in norm[0]
   assert same_program.kernel_count(texts[0]) == 1  # one loop fusion
+
+
+def test_ns_bfloat16_distances_rank_the_iterations():
+  # benchmarks/ns_bfloat16.py on a few draws: the library's iteration within the tests'
+  # bound, Muon's reference (every product and sum in bfloat16) further off at the median.
+  import ns_bfloat16
+  rows = {r['iteration']: r for r in ns_bfloat16.summary(ns_bfloat16.distances(8, 0))}
+  assert rows['library']['matrices'] == rows['Muon reference']['matrices'] > 8
+  assert rows['library']['rel_max'] <= 0.1 and rows['library']['sv_max'] <= 0.15
+  assert rows['Muon reference']['rel_median_vs_library'] > 1.5

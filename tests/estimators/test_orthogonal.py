@@ -597,20 +597,20 @@ def test_chunked_shared_iteration_holds_one_iteration_and_bounded_chunks(monkeyp
 
 # The bfloat16 iteration (`ns_dtype='bfloat16'`) against the float32 one, per matrix:
 # relative Frobenius distance of the factors, and the largest distance between their
-# sorted singular values. Each of the 5 steps rounds its product operands (X, A = X X^T
-# and b A + c A A) and its result to bfloat16, a relative error of at most u = 2^-8 each,
-# and sums in float32. A later step can grow an earlier error by the quintic's slope
-# (|p'| <= 3.9 on the band [0.68, 1.2] where the singular values oscillate), so the
-# worst case of first-order analysis, ~u * sum_k 3.9^k ~ 300 u ~ 1.2, says nothing; the
-# roundings are independent and mostly cancel: over 360 random draws (2 to 129 rows and
-# columns, banks of 1 to 4, the spectra below) the largest relative Frobenius distance
-# measured was 0.066 (17 u; median 0.022, 6 u) and the largest singular-value distance
-# 0.098 (one singular value of a [28, 3] matrix, which has no others to average with;
-# median 0.025). The bounds are those, with room for the draws hypothesis finds: 0.1
-# (26 u) and 0.15, both far inside what the float32 iteration itself leaves of the true
-# polar factor (its singular values spread over [0.68, 1.13] around 1). The same
-# iteration with its products rounded to bfloat16 too (no float32 accumulation, as in
-# Muon's reference code) measured a median distance 2.5x ours (40 draws).
+# sorted singular values. Each of the 5 steps rounds its product operands (X, A = X X^T,
+# b I + c A and a I + A (b I + c A)) to bfloat16, a relative error of at most u = 2^-8
+# each, and sums each product in float32. A later step can grow an earlier error by the
+# quintic's slope (|p'| <= 3.9 on the band [0.68, 1.2] where the singular values
+# oscillate), so the worst case of first-order analysis, ~u * sum_k 3.9^k ~ 300 u ~ 1.2,
+# says nothing; the roundings are independent and mostly cancel: over 360 random banks
+# (1,050 matrices of 2 to 129 rows and columns, the spectra below;
+# benchmarks/ns_bfloat16.py) the largest relative Frobenius distance measured was 0.059
+# (15 u; median 0.018, 4.5 u) and the largest singular-value distance 0.086 (median
+# 0.015). The bounds leave room for the draws hypothesis finds: 0.1 (26 u) and 0.15, both
+# far inside what the float32 iteration itself leaves of the true polar factor (its
+# singular values spread over [0.68, 1.13] around 1). Muon's reference code (every
+# product and sum in bfloat16) measured a median distance 2.9x ours, and a largest one
+# of 0.15, past the bound.
 NS_BF16_REL_FROBENIUS = 0.1
 NS_BF16_SINGULAR_VALUES = 0.15
 
@@ -668,9 +668,20 @@ def test_bfloat16_iteration_multiplies_bfloat16_and_accumulates_in_float32():
   jaxpr = jax.make_jaxpr(lambda x: ns.newton_schulz(x, ns_dtype='bfloat16'))(x)
   dots = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
   assert len(dots) == 3 * 5
-  for e in dots:
+  for e in dots:  # each product takes and writes bfloat16 ...
     assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars)
-    assert e.params['preferred_element_type'] == jnp.float32
+    assert e.params['preferred_element_type'] == jnp.bfloat16
+  # ... and sums in float32, rounding once: the result is the exact product rounded to
+  # bfloat16 (but where float32's own rounding, ~2^-16 of a bfloat16 step here, tips a
+  # near-tie), where a bfloat16 sum (running or pairwise) of 4096 terms would be
+  # several bfloat16 steps off.
+  rng = np.random.default_rng(0)
+  p, q = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((32, 4096), (4096, 32)))
+  exact = np.asarray(p, np.float64) @ np.asarray(q, np.float64)
+  got = np.asarray(ns._dot16(p, q).astype(jnp.float32), np.float64)
+  rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16), np.float64)
+  assert np.mean(got == rounded) >= 0.99
+  assert np.all(np.abs(got - exact) <= 2.0 ** -8 * np.abs(exact))
   # The float32 iteration holds no bfloat16 at all.
   jaxpr = jax.make_jaxpr(lambda x: ns.newton_schulz(x, ns_dtype='float32'))(x)
   assert all(v.aval.dtype == jnp.float32 for e in jaxpr.eqns for v in e.outvars)

@@ -369,6 +369,20 @@ def goals(peak: list[dict[str, Any]], update: list[dict[str, Any]]) -> list[str]
       lines.append(f"- Published tiers' update kernels at 128.7M ({r['dtype']}): "
                    f"{r['kernels']} = {r['kernels_vs_adamw']:.2f}x AdamW's (goal <= "
                    f"{KERNEL_GOAL}x): **{'met' if ok else 'not met'}**.")
+  # The recommended policy as a GPU runs it (its 'auto' Newton-Schulz dtype is bfloat16
+  # there) against optax.contrib.muon on the same tree, bf16 weights.
+  for r in update:
+    if r['leaves'] == 'all' and r['step'] == 'skewadam-muon-coded-ns-bfloat16' and \
+        r['dtype'] != 'float32':
+      peer = [m for m in update if (m['tree'], m['dtype'], m['leaves'], m['step'])
+              == (r['tree'], r['dtype'], 'all', 'muon')]
+      if peer:
+        ok = r['roofline_ms'] <= peer[0]['roofline_ms']
+        size = '128.7M' if r['tree'] == 'w8' else '6.78B'
+        lines.append(f"- MUON_CODED_TIERS (bfloat16 Newton-Schulz) at {size}, "
+                     f"{r['dtype']}: {r['roofline_ms']:.2f} ms of roofline against "
+                     f"optax.contrib.muon's {peer[0]['roofline_ms']:.2f} (goal: at or "
+                     f"below): **{'met' if ok else 'not met'}**.")
   for r in peak:
     if (r['config'], r['optimizer']) == ('paper-6.78b', 'skewadam-muon-coded'):
       gib = r['predicted_bytes'] / GIB

@@ -22,8 +22,12 @@ from skewadam_jax.transforms.tier import Tier
 # elements (`in_slices`): as one piece, its update holds float32 temporaries of the
 # whole leaf (the decoded momentum, the Newton-Schulz operand and iterate), which at the
 # published 6.78B model's size (one expert bank: 2^31 elements) were 20 GiB a leaf;
-# a slice of 2^26 elements holds about a GiB. Per slice the operations are the same.
-LEAF_SLICE_ELEMENTS = 1 << 26
+# a slice of 2^27 elements holds about 2 GiB. Per slice the operations are the same.
+# Each slice costs its kernels' launches: compiled for an H200, that model's
+# `MUON_CODED_TIERS` update (bfloat16 Newton-Schulz) is 2,318 kernels in slices of
+# 2^27 against 4,190 in slices of 2^26 (about 12 against 21 ms of launches), for a
+# training step's peak of 23.3 GiB against 22.4 (benchmarks/gpu_compile.py).
+LEAF_SLICE_ELEMENTS = 1 << 27
 
 
 def in_slices(update_leaf: Callable[..., Any], tier: Tier, leaf: _plan.LeafPlan, b1: Any,

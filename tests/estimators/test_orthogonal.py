@@ -567,6 +567,28 @@ def test_shared_iteration_in_equal_chunks_is_the_separate_calls(sizes, max_batch
                          np.asarray(ns.newton_schulz(m), np.float64), 1e-5)
 
 
+def test_bfloat16_iteration_keeps_zero_padding_zero():
+  # The bfloat16 step (a I + A (b I + c A)) X puts `a` on the padded diagonal of its
+  # left factor, but the padded rows and columns of X are zero, so they stay zero, and
+  # each matrix of a shared call is iterated on its own: within the distance two
+  # bfloat16 runs summed in other orders keep (mesh_cases.ORTHOGONAL_BF16_REL_FROBENIUS).
+  from skewadam_jax.estimators import newton_schulz as ns
+  rng = np.random.default_rng(0)
+  m = rng.standard_normal((3, 5, 9)).astype(np.float32)
+  padded = np.zeros((3, 8, 12), np.float32)
+  padded[:, :5, :9] = m
+  out = np.asarray(ns.newton_schulz(jnp.asarray(padded), ns_dtype='bfloat16').astype(jnp.float32))
+  assert not out[:, 5:, :].any() and not out[:, :, 9:].any()
+  mats = [jnp.asarray(rng.standard_normal(s), jnp.float32)
+          for s in ((3, 6, 9), (2, 4, 9), (1, 9, 6))]
+  got = ns.newton_schulz_shared(mats, ns_dtype='bfloat16')
+  for x, g in zip(mats, got):
+    want = np.asarray(ns.newton_schulz(x, ns_dtype='bfloat16').astype(jnp.float32), np.float64)
+    g = np.asarray(g.astype(jnp.float32), np.float64)
+    assert g.shape == x.shape
+    assert np.linalg.norm(g - want) <= 0.05 * np.linalg.norm(want)
+
+
 def test_chunked_shared_iteration_holds_one_iteration_and_bounded_chunks(monkeypatch):
   # More matrices of one shape than a chunk holds: equal chunks under `lax.map`, so the
   # jaxpr holds the iteration once (3 dots x ns_steps) and the updates still match

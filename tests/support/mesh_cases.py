@@ -29,6 +29,7 @@ state must be bitwise those of the uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 from typing import Any, NamedTuple
 
@@ -49,11 +50,32 @@ import ulp
 # buffer): the iteration carries those roundings to about 1e-5 of the matrix's scale.
 ULPS = ulp.FLOAT32_ULPS
 ORTHOGONAL_ULPS = 256
+# With the bfloat16 iteration (the presets' default on a GPU, named here: the CPU's
+# default is float32), a product summed in another order rounds some elements of the
+# iterate to the neighbouring bfloat16 (2^16 float32 ulp of their magnitude), and the
+# later steps carry those flips to other elements: no elementwise bound holds, so an
+# orthogonalised leaf's update is compared as a whole, by its relative Frobenius
+# distance from the single device's. Both are the bfloat16 iteration, each within 0.1 of
+# the float32 one (tests/estimators/test_orthogonal.py); measured between them: at most
+# 0.031 (15 generated cases, 12 that ran; the issue cases of test_explicit_mesh.py).
+ORTHOGONAL_BF16_REL_FROBENIUS = 0.05
 STEPS = 2
+
+
+def _ns_bfloat16(tiers: dict[str, sj.Tier]) -> dict[str, sj.Tier]:
+  """`tiers` with every orthogonal estimator iterating in bfloat16."""
+  return {k: (t.replace(second_moment=dataclasses.replace(t.estimator, ns_dtype='bfloat16'))
+              if isinstance(t.estimator, sj.Orthogonal) else t) for k, t in tiers.items()}
+
+
+TIERS = {'published': sj.PUBLISHED_TIERS, 'muon': sj.MUON_TIERS,
+         'muon_coded': sj.MUON_CODED_TIERS,
+         'muon_coded_bf16': _ns_bfloat16(sj.MUON_CODED_TIERS)}
+# The presets whose hidden matrices are orthogonalised.
+ORTHOGONAL = ('muon', 'muon_coded', 'muon_coded_bf16')
 PRESETS = {
-    'published': lambda: sj.skewadam(1e-2, weight_decay=0.1),
-    'muon': lambda: sj.skewadam(1e-2, weight_decay=0.1, tiers=sj.MUON_TIERS),
-    'muon_coded': lambda: sj.skewadam(1e-2, weight_decay=0.1, tiers=sj.MUON_CODED_TIERS),
+    **{name: (lambda t=t: sj.skewadam(1e-2, weight_decay=0.1, tiers=t))
+       for name, t in TIERS.items()},
     'adampm': lambda: sj.adampm(1e-2, weight_decay=0.1, group_size=8),
 }
 # kind -> (label, batch axes); the hidden tier's label falls back to 'backbone'.
@@ -87,7 +109,7 @@ def make_mesh(case: Case) -> jax.sharding.Mesh:
 
 
 def labels_and_axes(case: Case) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
-  hidden = case.preset in ('muon', 'muon_coded')
+  hidden = case.preset in ORTHOGONAL
   labels, axes = {}, {}
   for name in case.shapes:
     label, batch = KINDS[name.split('_')[0]]
@@ -100,8 +122,7 @@ def make_tx(case: Case):
   if case.preset == 'adampm':
     return PRESETS['adampm']()
   labels, axes = labels_and_axes(case)
-  tiers = {'published': None, 'muon': sj.MUON_TIERS, 'muon_coded': sj.MUON_CODED_TIERS}
-  return sj.skewadam(1e-2, weight_decay=0.1, tiers=tiers[case.preset], param_labels=labels,
+  return sj.skewadam(1e-2, weight_decay=0.1, tiers=TIERS[case.preset], param_labels=labels,
                      batch_axes=axes)
 
 
@@ -199,8 +220,7 @@ def shard_map_refusals(case: Case) -> set[str]:
   orthogonalisation, or its RMS clip). AdamPM's pooling and Adam's rule are local."""
   if case.mode != 'shard_map' or case.preset == 'adampm':
     return set()
-  tiers = {'published': sj.PUBLISHED_TIERS, 'muon': sj.MUON_TIERS,
-           'muon_coded': sj.MUON_CODED_TIERS}[case.preset]
+  tiers = TIERS[case.preset]
   labels, axes = labels_and_axes(case)
   out = set()
   for name, shape in case.shapes.items():
@@ -231,13 +251,22 @@ def compare(case: Case, got: tuple[list[Any], Any], want: tuple[list[Any], Any]
   """Asserts updates and float state within the bound, codes (uint8 state) equal; returns
   the largest distance seen (in ulp of each leaf's largest magnitude) and the number of
   code bytes compared."""
-  orthogonal = case.preset in ('muon', 'muon_coded')
-  worst, codes = 0.0, 0
+  orthogonal = case.preset in ORTHOGONAL
+  labels, _ = labels_and_axes(case)
+  worst, worst_rel, codes = 0.0, 0.0, 0
   for i, (u, w) in enumerate(zip(got[0], want[0])):
     for k in w:
       a, b = np.asarray(u[k]), np.asarray(w[k])
-      bound = ORTHOGONAL_ULPS if orthogonal and KINDS[k.split('_')[0]][0] != 'router' else ULPS
-      ulp.assert_within_ulp(a, b, np.float32, ulps=bound, err_msg=f'update {i} {k}')
+      if not (orthogonal and KINDS[k.split('_')[0]][0] != 'router'):
+        ulp.assert_within_ulp(a, b, np.float32, ulps=ULPS, err_msg=f'update {i} {k}')
+      elif (case.preset == 'muon_coded_bf16'
+            and isinstance(TIERS[case.preset][labels[k]].estimator, sj.Orthogonal)):
+        rel = float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+        assert rel <= ORTHOGONAL_BF16_REL_FROBENIUS, f'update {i} {k}: {rel}'
+        worst_rel = max(worst_rel, rel)
+        continue
+      else:
+        ulp.assert_within_ulp(a, b, np.float32, ulps=ORTHOGONAL_ULPS, err_msg=f'update {i} {k}')
       worst = max(worst, scale_ulps(a, b))
   for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
     a, b = np.asarray(a), np.asarray(b)
@@ -246,7 +275,7 @@ def compare(case: Case, got: tuple[list[Any], Any], want: tuple[list[Any], Any]
       codes += b.size
     else:
       ulp.assert_within_ulp(a, b, b.dtype, ulps=ULPS, err_msg='state')
-  return {'worst_ulp': worst, 'code_bytes': codes}
+  return {'worst_ulp': worst, 'worst_rel_frobenius': worst_rel, 'code_bytes': codes}
 
 
 STRADDLE_WORDS = ('straddle', 'whole blocks')

@@ -155,12 +155,18 @@ def _whole_matrices(x: jax.Array) -> jax.Array:
   choice; under Explicit axes `Orthogonal.prepare` already gathered the matrices, and
   with no mesh (or inside `shard_map`) there is nothing to ask.
   """
-  get_mesh = getattr(jax.sharding, 'get_abstract_mesh', None)  # jax >= 0.6
-  mesh = None if get_mesh is None else get_mesh()
-  if mesh is None or mesh.empty or not getattr(mesh, 'are_all_axes_auto', False):
+  if not auto_mesh_in_context():
     return x
   free = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 2)
   return jax.lax.with_sharding_constraint(x, PartitionSpec(*free, None, None))
+
+
+def auto_mesh_in_context() -> bool:
+  """Whether a mesh of Auto axes is in context (`jax.set_mesh`): where XLA, not the
+  arrays' types, decides how the iteration's operands are laid out."""
+  get_mesh = getattr(jax.sharding, 'get_abstract_mesh', None)  # jax >= 0.6
+  mesh = None if get_mesh is None else get_mesh()
+  return not (mesh is None or mesh.empty or not getattr(mesh, 'are_all_axes_auto', False))
 
 
 def wide(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -62,6 +62,7 @@ from skewadam_jax.estimators import blocks as _blocks
 from skewadam_jax.estimators.base import Spec
 from skewadam_jax.estimators.base import Stats
 from skewadam_jax.estimators.base import Step
+from skewadam_jax.estimators.newton_schulz import auto_mesh_in_context
 from skewadam_jax.estimators.newton_schulz import iteration_dtype
 from skewadam_jax.estimators.newton_schulz import newton_schulz
 from skewadam_jax.estimators.newton_schulz import NewtonSchulzGroup
@@ -175,14 +176,18 @@ class Orthogonal(_second_moment.SecondMoment):
   def shared(self, x: jax.Array, step: Step) -> Optional[_second_moment.Shared]:
     """The Newton-Schulz iteration of `x`'s matrices, shared with the other leaves of
     its `NewtonSchulzGroup`; None for a subclass that overrides `update` (it runs whole).
-    Matrices sharded over their batch axes are iterated where they lie (`alone`)."""
+    Matrices sharded over their batch axes are iterated where they lie (`alone`), and
+    so are a leaf's several matrices under an Auto mesh in context, where their
+    placement is XLA's to keep: a shared buffer of other leaves' matrices would gather
+    an expert-parallel bank onto every device."""
     if type(self).update is not Orthogonal.update:
       return None
     mats, finish = self.prepare(x, step)
     group = NewtonSchulzGroup(wide(mats.shape), self.iteration)
     return _second_moment.Shared(mats, group, finish,
                                  alone=(_blocks.explicit_spec(mats) is not None
-                                        or bool(_second_moment.varying_axes(mats))))
+                                        or bool(_second_moment.varying_axes(mats))
+                                        or (mats.shape[0] > 1 and auto_mesh_in_context())))
 
   def prepare(self, x: jax.Array, step: Step
               ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:

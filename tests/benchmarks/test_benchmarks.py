@@ -309,9 +309,11 @@ def test_collectives_count_a_loop_body_once_per_trip():
 
 def test_collectives_script_gathers_each_sharded_matrix_once(tmp_path):
   # benchmarks/collectives.py end to end on the unit tests' model (8 simulated CPU
-  # devices, a subprocess): MUON_TIERS on FSDP, on an Explicit mesh and on an Auto mesh
-  # set in context, where `Orthogonal` asks XLA for whole matrices through the
-  # iteration (without it XLA gathered every Gram product's operands, every iteration).
+  # devices, a subprocess): MUON_TIERS on FSDP and EP, on an Explicit mesh and on an
+  # Auto mesh set in context, where `Orthogonal` asks XLA for whole matrices through the
+  # iteration (without it XLA gathered every Gram product's operands, every iteration)
+  # and iterates each bank on its own (in a shared buffer, XLA gathered the
+  # expert-parallel banks too).
   import os
   import subprocess
   root = Path(__file__).resolve().parents[2]
@@ -319,17 +321,25 @@ def test_collectives_script_gathers_each_sharded_matrix_once(tmp_path):
   env.pop('XLA_FLAGS', None)
   proc = subprocess.run(
       [sys.executable, str(root / 'benchmarks' / 'collectives.py'), '--config', 'tiny',
-       '--layouts', 'fsdp', '--meshes', 'explicit', 'auto', '--optimizers', 'skewadam-muon',
+       '--layouts', 'fsdp', 'ep', '--meshes', 'explicit', 'auto', '--optimizers',
+       'skewadam-muon',
        '--results', str(tmp_path), '--out', 'c'],
       env=env, cwd=root, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert '| fsdp | explicit | SkewAdam (MUON_TIERS) |' in proc.stdout
   records = json.loads((tmp_path / 'c.json').read_text())['records']
   assert (tmp_path / 'c.png').stat().st_size > 0
-  assert [r['mesh'] for r in records] == ['explicit', 'auto']
+  assert [(r['layout'], r['mesh']) for r in records] == [
+      ('fsdp', 'explicit'), ('fsdp', 'auto'), ('ep', 'explicit'), ('ep', 'auto')]
   for r in records:
     assert 'error' not in r, r
-    assert r['sharded_hidden_leaves'] == 14  # attention 4 x 2 blocks, dense MLP 3, banks 3
+    # attention 4 x 2 blocks, dense MLP 3, banks 3 (EP: the banks on their expert axis,
+    # orthogonalised where they lie)
+    assert r['sharded_hidden_leaves'] == (14 if r['layout'] == 'fsdp' else 11)
+    # (On the Auto mesh XLA moves one attention kernel's shards with a 1 KB all-to-all
+    # before gathering it; before the banks iterated on their own, 25 KB, and the banks
+    # were gathered: 245,760 B.)
+    assert r['all-to-all']['count'] == 0 or r['mesh'] == 'auto'
     assert r['goal_one_gather'], r['all-gather']
     assert r['all-gather']['bytes'] == r['sharded_hidden_bytes']  # each gathered whole once
     assert r['loops_without_trip_count'] == []

@@ -101,6 +101,15 @@ class StateCodec(abc.ABC):
     del shape, batch_axes
     return self
 
+  def for_shard(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
+                size: int) -> Optional[StateCodec]:
+    """`for_leaf` of one device's shard, of `shape`, of a parameter of `size` elements
+    (inside `shard_map` the update sees shards): a decision on the parameter's size is
+    made on `size`, so that every shard keeps the state `init` made for the whole
+    parameter. Default: `for_leaf(shape, batch_axes)`."""
+    del size
+    return self.for_leaf(shape, batch_axes)
+
   @abc.abstractmethod
   def init(self, param: Any, path: str) -> Any:
     """The encoded zeros of `param`'s shape (a pytree of arrays), built from `param` so
@@ -241,9 +250,13 @@ class Blockwise(StateCodec):
 
   def for_leaf(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]] = None
                ) -> Optional[Blockwise]:
+    return self.for_shard(shape, batch_axes, math.prod(shape))
+
+  def for_shard(self, shape: tuple[int, ...], batch_axes: Optional[tuple[int, ...]],
+                size: int) -> Optional[Blockwise]:
     batch_axes = _base.Layout.of(len(shape), batch_axes).batch
     shape = tuple(shape)
-    if math.prod(shape) < self.min_size:
+    if size < self.min_size:  # the whole parameter's size
       return None
     if (shape, batch_axes) == (self.shape, self.batch_axes):
       return self

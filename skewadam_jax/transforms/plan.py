@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -131,12 +132,26 @@ def _coded_of(codec: _codec.StateCodec, p: Any, path: str) -> Any:
   return codec.init(p, path)
 
 
+def whole_size(leaf: Any, shape: tuple[int, ...]) -> int:
+  """The elements of the parameter that `leaf`, of `shape`, is: inside `shard_map` a
+  device's shard, whose count times the size of every manual mesh axis it varies over
+  is the whole parameter's; elsewhere its own count."""
+  size = math.prod(shape)
+  axes = _second_moment.varying_axes(leaf)
+  if axes:
+    mesh = jax.sharding.get_abstract_mesh()
+    for a in axes:
+      size *= mesh.shape[a]
+  return size
+
+
 def plan_leaf(tier: Any, name: str, path: str, leaf: Any, batch_axes: Any,
               reason: Optional[str] = None) -> LeafPlan:
   """The plan of one leaf (a parameter, a gradient, or their abstract form) under
   `tier` (a `Tier`), named `name`; `reason`: the labeler's note (None: unexplained)."""
   p = _tree.abstract_leaf(leaf)
   shape = tuple(p.shape)
+  size = whole_size(leaf, shape)
   dtype = jnp.dtype(p.dtype)
   if not jnp.issubdtype(dtype, jnp.inexact):
     return LeafPlan(path, name, NO_STATE, None, None, (), shape, {}, '' if reason is None
@@ -145,7 +160,8 @@ def plan_leaf(tier: Any, name: str, path: str, leaf: Any, batch_axes: Any,
   try:
     axes = normal_axes(batch_axes, shape, path)
     estimator = tier.estimator.for_leaf(shape, axes)
-    codec = tier.mu_codec.for_leaf(shape, axes) if tier.mu_codec is not None else None
+    codec = (tier.mu_codec.for_shard(shape, axes, size) if tier.mu_codec is not None
+             else None)
   except (ValueError, TypeError) as e:
     return LeafPlan(path, name, STEPPED, None, None, (), shape, {}, reason or '',
                     ('decide', e))

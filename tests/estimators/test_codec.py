@@ -949,3 +949,19 @@ def test_stored_bytes_per_element_are_the_codes_width_and_a_float32_scale_per_bl
   param = jnp.zeros((64, 1024))
   codec = sj.Blockwise(bits=bits, block_size=block_size).for_leaf(param.shape, ())
   assert sj.state_bytes(codec.init(param, 'w')) == per_element * param.size
+
+
+def test_min_size_is_read_of_the_whole_parameter_for_a_shard():
+  # Inside shard_map the update sees one device's shard; `for_shard` decides on the
+  # parameter's size, so a [2, 2, 32, 32] stack (4096 elements, coded) split in two
+  # keeps the coded state `init` made for it (for_leaf of the shard alone would leave
+  # it uncoded: a state that does not fit). The generated mesh cases run it in shard_map.
+  codec = sj.Blockwise(6, 256, 'linear', fit='nearest', min_size=4096)
+  shard = (2, 1, 32, 32)
+  assert codec.for_leaf(shard, (0, 1)) is None
+  bound = codec.for_shard(shard, (0, 1), 4096)
+  assert bound is not None and bound.shape == shard
+  assert codec.for_shard(shard, (0, 1), 2048) is None
+  # A codec without size rules: for_shard is its for_leaf.
+  assert sj.Blockwise(8, 256).for_shard(shard, (0, 1), 1) == sj.Blockwise(8, 256).for_leaf(
+      shard, (0, 1))

@@ -29,7 +29,6 @@ state must be bitwise those of the uninterrupted run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import tempfile
 from typing import Any, NamedTuple
 
@@ -39,6 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from examples.moe_lm.optimizers import with_ns_dtype
 import skewadam_jax as sj
 import ulp
 
@@ -62,15 +62,10 @@ ORTHOGONAL_BF16_REL_FROBENIUS = 0.05
 STEPS = 2
 
 
-def _ns_bfloat16(tiers: dict[str, sj.Tier]) -> dict[str, sj.Tier]:
-  """`tiers` with every orthogonal estimator iterating in bfloat16."""
-  return {k: (t.replace(second_moment=dataclasses.replace(t.estimator, ns_dtype='bfloat16'))
-              if isinstance(t.estimator, sj.Orthogonal) else t) for k, t in tiers.items()}
-
-
 TIERS = {'published': sj.PUBLISHED_TIERS, 'muon': sj.MUON_TIERS,
          'muon_coded': sj.MUON_CODED_TIERS,
-         'muon_coded_bf16': _ns_bfloat16(sj.MUON_CODED_TIERS)}
+         'muon_coded_bf16': {k: with_ns_dtype(t, 'bfloat16')
+                             for k, t in sj.MUON_CODED_TIERS.items()}}
 # The presets whose hidden matrices are orthogonalised.
 ORTHOGONAL = ('muon', 'muon_coded', 'muon_coded_bf16')
 PRESETS = {
